@@ -1,0 +1,98 @@
+"""Where the protocol's state lives: the byte layout of one channel and the status words.
+
+The protocol itself (push, publish, bounded wait, combine, epoch advance) is the kernel in
+``kernels/lse_alltoall.py``; this module sizes the memory it runs on and turns the status words the
+kernel leaves in host-mapped memory into Python errors.
+"""
+
+import ctypes
+from dataclasses import dataclass
+
+from kernels import STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS
+from dcp.errors import DcpMismatchError, DcpTimeoutError
+
+STATE_BYTES = 64  # epoch and arrival counter, local to the rank
+ALIGN = 256
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _align(x: int, a: int = ALIGN) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class ChannelLayout:
+    """Byte layout of one channel's symmetric region (identical on every rank)."""
+
+    world: int
+    heads_per_rank: int
+    head_dim: int
+    max_tokens: int
+
+    @property
+    def padded_dim(self) -> int:  # power-of-two block width over the head dim
+        return _next_pow2(self.head_dim)
+
+    @property
+    def row_elems(self) -> int:  # D values + fp32 LSE as two 16-bit lanes, padded to 16 bytes
+        return _align(self.head_dim + 2, 8)
+
+    @property
+    def rows_max(self) -> int:
+        return self.max_tokens * self.heads_per_rank
+
+    @property
+    def block_rows(self) -> int:
+        return max(1, min(64, 8192 // self.padded_dim, _next_pow2(self.rows_max)))
+
+    @property
+    def tiles_max(self) -> int:
+        return -(-self.rows_max // self.block_rows)
+
+    @property
+    def flag_offset(self) -> int:
+        return STATE_BYTES
+
+    @property
+    def recv_offset(self) -> int:
+        return _align(self.flag_offset + 2 * self.world * self.tiles_max * 8)
+
+    @property
+    def nbytes(self) -> int:
+        return _align(self.recv_offset + 2 * self.world * self.rows_max * self.row_elems * 2)
+
+    def constexprs(self) -> dict:
+        return dict(N=self.world, NP2=_next_pow2(self.world), HN=self.heads_per_rank, D=self.head_dim,
+                    DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.block_rows,
+                    ROWS_MAX=self.rows_max, TILES_MAX=self.tiles_max, FLAG_OFF=self.flag_offset,
+                    RECV_OFF=self.recv_offset)
+
+
+def status_words(address: int) -> "ctypes.Array":
+    """The status words of one channel, read and written in place from the host."""
+    return (ctypes.c_int32 * STATUS_WORDS).from_address(address)
+
+
+def raise_status(words: "ctypes.Array", world: int, rank: int, channel: int) -> None:
+    """Raise the error the kernel recorded, if any, and clear it."""
+    code = words[0]
+    if code == 0:
+        return
+    epoch, tile, tokens = words[1], words[2], words[3]
+    missing = [r for r in range(world) if words[4 + r]]
+    announced = {r: words[12 + r] for r in range(world)}
+    ctypes.memset(ctypes.addressof(words), 0, ctypes.sizeof(words))
+    where = f"rank {rank}, channel {channel}, epoch {epoch}, tile {tile}"
+    if code == STATUS_TIMEOUT:
+        raise DcpTimeoutError(
+            f"DCP all-to-all timed out waiting for rank(s) {missing} ({where}); the rows of that "
+            "tile were written as NaN", missing)
+    if code == STATUS_MISMATCH:
+        other = {r: b for r, b in announced.items() if b >= 0 and b != tokens}
+        raise DcpMismatchError(
+            f"ranks entered the same DCP all-to-all call with different token counts: this rank has "
+            f"B={tokens}, rank(s) announced {other} ({where})")
+    raise DcpTimeoutError(f"DCP all-to-all failed with status {code} ({where})", missing)

@@ -1,0 +1,277 @@
+"""The fused DCP all-to-all kernel: pack, push, signal, wait and LSE-combine in one launch.
+
+Every rank runs the same grid. Program ``p`` walks the row tiles ``p, p + G, ...`` (a row is one
+(token, head) pair of the flattened ``[B * H/N]`` space of a head chunk) in the same order on every
+rank, first pushing each tile's packed rows into every peer's receive slot and publishing one flag per
+tile and peer, then waiting for the same tiles from every source and combining them. A waiting
+program therefore only ever depends on programs with the same index on other ranks, which run the
+same walk, so the protocol needs no inter-program ordering inside a rank.
+
+Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp.protocol``)::
+
+    state  [epoch int32, arrivals int32]                 local only
+    flags  [2 slots][N sources][tiles][epoch int32, B int32]
+    recv   [2 slots][N sources][B_max * H/N rows][ROW int16]   row = D values, fp32 LSE, padding
+
+The same Python source is built twice: compiled for CUDA, where publishing and polling use
+system-scope fences around relaxed flag stores and loads and time comes from ``%globaltimer``; and under Triton's
+interpreter for CPU tensors, where the same helpers are host atomics, a monotonic clock and a yield
+so that rank processes sharing few cores keep progressing.
+"""
+
+import os
+import time
+import types
+
+import triton
+import triton.language as tl
+
+# The epoch kept on the device runs over [0, EPOCH_PERIOD); a call uses e = epoch + 1, in
+# [1, EPOCH_PERIOD]. The period is even so that the slot parity e & 1 alternates across the wrap,
+# and e is never 0, the value of flags that were never written.
+EPOCH_PERIOD = 2**31 - 2
+
+# Status words, host-readable: [0] code, [1] epoch, [2] tile, [3] own B,
+# [4 + src] missing flag per source, [12 + src] B announced by that source.
+STATUS_WORDS = 20
+STATUS_TIMEOUT = 1
+STATUS_MISMATCH = 2
+
+CTL_STATUS = 8  # ctl[0:N] peer channel bases, ctl[8] status address, ctl[9] timeout (ns)
+CTL_TIMEOUT = 9
+CTL_WORDS = 10
+
+# The same values as constexprs, for use inside the kernel.
+_PERIOD = tl.constexpr(EPOCH_PERIOD)
+_TIMEOUT = tl.constexpr(STATUS_TIMEOUT)
+_MISMATCH = tl.constexpr(STATUS_MISMATCH)
+_CTL_STATUS = tl.constexpr(CTL_STATUS)
+_CTL_TIMEOUT = tl.constexpr(CTL_TIMEOUT)
+
+
+def lse_alltoall_kernel(
+    po, lse, y, y_lse, ctl,
+    n_tokens, rank,
+    s_po_b, s_po_h, s_lse_b, s_lse_h, s_y_b, s_y_h, s_yl_b, s_yl_h,
+    write_lse, log2_scale,
+    N: tl.constexpr, NP2: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    ROW: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
+    FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    if n_tokens > 0:  # n_tokens == 0 is a load-only launch: touches nothing
+        if ALIGNED:  # strides were passed divided by 8: the product proves 16-byte rows
+            s_po_b = s_po_b * 8
+            s_po_h = s_po_h * 8
+            s_y_b = s_y_b * 8
+            s_y_h = s_y_h * 8
+        local = tl.load(ctl + rank)
+        status = tl.load(ctl + _CTL_STATUS).to(tl.pointer_type(tl.int32))
+        timeout = tl.load(ctl + _CTL_TIMEOUT)
+        state = local.to(tl.pointer_type(tl.int32))
+        e = tl.load(state, volatile=True) + 1
+        slot = e & 1
+        n_rows = n_tokens * HN
+        n_tiles = (n_rows + BLOCK_R - 1) // BLOCK_R
+        r_off = tl.arange(0, BLOCK_R)
+        c_off = tl.arange(0, DP)
+        cmask = c_off < D
+        out_ty = y.dtype.element_ty
+
+        # Push: pack each tile for every destination straight into its receive slot, then one
+        # release store per destination publishes the tile.
+        t = pid
+        while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
+            rows = t * BLOCK_R + r_off
+            rmask = rows < n_rows
+            tok = (rows // HN).to(tl.int64)
+            hh = rows % HN
+            dst_row = ((slot * N + rank) * ROWS_MAX + rows).to(tl.int64)
+            flag_idx = ((slot * N + rank) * TILES_MAX + t) * 2
+            for d in tl.static_range(N):
+                base = tl.load(ctl + d)
+                head = d * HN + hh
+                vals = tl.load(po + tok[:, None] * s_po_b + head[:, None] * s_po_h + c_off[None, :],
+                               mask=rmask[:, None] & cmask[None, :])
+                lv = tl.load(lse + tok * s_lse_b + head * s_lse_h, mask=rmask).to(tl.float32)
+                recv16 = (base + RECV_OFF).to(tl.pointer_type(tl.int16))
+                recv32 = (base + RECV_OFF).to(tl.pointer_type(tl.float32))
+                tl.store(recv16 + dst_row[:, None] * ROW + c_off[None, :], vals.to(tl.int16, bitcast=True),
+                         mask=rmask[:, None] & cmask[None, :])
+                tl.store(recv32 + (dst_row * ROW + D) // 2, lv, mask=rmask)
+                tl.store((base + FLAG_OFF).to(tl.pointer_type(tl.int32)) + flag_idx + 1, n_tokens)
+            # Fence pattern: all threads' stores, a CTA barrier, one system-scope fence, then
+            # relaxed flag stores to every peer at once (no serialized release per peer).
+            tl.debug_barrier()
+            _fence(e)
+            for d in tl.static_range(N):
+                _store_relaxed((tl.load(ctl + d) + FLAG_OFF).to(tl.pointer_type(tl.int32)) + flag_idx, e)
+            t += G
+
+        # Wait and combine: a bounded spin on the tile's flags from every source (relaxed loads,
+        # then one fence: the acquire pattern). The B carried with each flag exposes ranks that
+        # entered the call with different sizes; tile 0's B is checked too, since a sender with
+        # fewer tokens never publishes the tiles it does not have.
+        flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int32))
+        recv16 = (local + RECV_OFF).to(tl.pointer_type(tl.int16))
+        recv32 = (local + RECV_OFF).to(tl.pointer_type(tl.float32))
+        t = pid
+        while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
+            start = _now(e)
+            code = 0
+            while code == 0:
+                n_arrived = 0
+                n_first = 0
+                for s in tl.static_range(N):
+                    src_flags = flags + (slot * N + s) * TILES_MAX * 2
+                    n_arrived += (_load_relaxed(src_flags + t * 2) == e).to(tl.int32)
+                    n_first += (_load_relaxed(src_flags) == e).to(tl.int32)
+                late = (_now(e) - start) > timeout
+                code = tl.where(n_arrived == N, -1, tl.where(late, _TIMEOUT, 0))
+                if n_first > 0:
+                    _fence(e)
+                    for s in tl.static_range(N):
+                        src_flags = flags + (slot * N + s) * TILES_MAX * 2
+                        first_b = _load_relaxed(src_flags + 1)
+                        if (_load_relaxed(src_flags) == e) & (first_b != n_tokens):
+                            code = _MISMATCH
+                _pause()
+            _fence(e)
+            if code < 0:
+                for s in tl.static_range(N):
+                    if _load_relaxed(flags + ((slot * N + s) * TILES_MAX + t) * 2 + 1) != n_tokens:
+                        code = _MISMATCH
+            tl.debug_barrier()
+
+            rows = t * BLOCK_R + r_off
+            rmask = rows < n_rows
+            tok = (rows // HN).to(tl.int64)
+            hh = rows % HN
+            y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
+            yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
+            omask = rmask[:, None] & cmask[None, :]
+            if code < 0:
+                m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+                for s in tl.static_range(N):
+                    src_row = ((slot * N + s) * ROWS_MAX + rows).to(tl.int64)
+                    lv = tl.load(recv32 + (src_row * ROW + D) // 2, mask=rmask, other=float("-inf"))
+                    lv = tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
+                    m = tl.maximum(m, lv)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                wsum = tl.full([BLOCK_R], 0.0, tl.float32)
+                acc = tl.full([BLOCK_R, DP], 0.0, tl.float32)
+                for s in tl.static_range(N):
+                    src_row = ((slot * N + s) * ROWS_MAX + rows).to(tl.int64)
+                    lv = tl.load(recv32 + (src_row * ROW + D) // 2, mask=rmask, other=float("-inf"))
+                    lv = tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
+                    w = tl.exp2((lv - m) * log2_scale)
+                    ov = tl.load(recv16 + src_row[:, None] * ROW + c_off[None, :], mask=omask, other=0)
+                    ov = ov.to(out_ty, bitcast=True).to(tl.float32)
+                    acc += tl.where(w[:, None] > 0, w[:, None] * ov, 0.0)
+                    wsum += w
+                res = tl.where(wsum[:, None] > 0, acc / wsum[:, None], 0.0)
+                tl.store(y_ptrs, res.to(out_ty), mask=omask)
+                if write_lse != 0:
+                    lse_out = tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf"))
+                    tl.store(yl_ptrs, lse_out, mask=rmask)
+            else:
+                # Never leave stale rows behind: what could not be combined reads as NaN.
+                tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(out_ty), mask=omask)
+                if write_lse != 0:
+                    tl.store(yl_ptrs, tl.full([BLOCK_R], float("nan"), tl.float32), mask=rmask)
+                tl.store(status + 1, e)
+                tl.store(status + 2, t)
+                tl.store(status + 3, n_tokens)
+                for s in tl.static_range(N):
+                    src_flags = flags + (slot * N + s) * TILES_MAX * 2
+                    got = _load_relaxed(src_flags + t * 2) == e
+                    got_first = _load_relaxed(src_flags) == e
+                    tl.store(status + 4 + s, (~got).to(tl.int32))
+                    tl.store(status + 12 + s, tl.where(got, _load_relaxed(src_flags + t * 2 + 1),
+                                                      tl.where(got_first, _load_relaxed(src_flags + 1), -1)))
+                tl.store(status, code)
+            t += G
+
+        # Advance the epoch once per call, after every program has read it: the last to arrive.
+        arrived_before = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
+        if arrived_before == G - 1:
+            tl.store(state + 1, 0)
+            tl.store(state, e % _PERIOD)
+
+
+# --- helpers, one set per execution mode ---------------------------------------------------------
+
+def _load_relaxed_gpu(ptr):
+    return tl.inline_asm_elementwise("ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", [ptr],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _store_relaxed_gpu(ptr, val):
+    tl.inline_asm_elementwise("st.relaxed.sys.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _fence_gpu(x):
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r,r", [x],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _now_gpu(x):
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+def _pause_gpu():
+    pass
+
+
+def _load_relaxed_cpu(ptr):
+    return tl.load(ptr, volatile=True)
+
+
+def _store_relaxed_cpu(ptr, val):
+    tl.atomic_xchg(ptr, val)
+
+
+def _fence_cpu(x):
+    pass  # the interpreter runs each program's operations in order on x86 (TSO)
+
+
+def _now_cpu(x):
+    return tl.full((), time.monotonic_ns(), tl.int64)
+
+
+def _pause_cpu():
+    os.sched_yield()
+
+
+_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause")
+_INT_ARGS = ["n_tokens", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
+             "s_yl_b", "s_yl_h", "write_lse"]
+_built = {}
+
+
+def build_lse_alltoall(interpret: bool):
+    """The kernel for CUDA tensors (compiled) or CPU tensors (Triton's interpreter).
+
+    Built from one source with mode-specific helpers bound into its globals, so that the choice
+    does not depend on ``TRITON_INTERPRET`` at import time.
+    """
+    if interpret in _built:
+        return _built[interpret]
+    from triton.runtime.interpreter import InterpretedFunction
+
+    suffix = "_cpu" if interpret else "_gpu"
+    scope = dict(globals())
+    for name in _HELPERS:
+        helper = globals()[name + suffix]
+        helper = types.FunctionType(helper.__code__, scope, name)
+        scope[name] = helper if interpret else triton.jit(helper)
+    fn = types.FunctionType(lse_alltoall_kernel.__code__, scope, "lse_alltoall_kernel")
+    fn.__module__ = __name__
+    fn.__qualname__ = "lse_alltoall_kernel"
+    kwargs = dict(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=["lse", "y_lse", "ctl"])
+    kernel = InterpretedFunction(fn, **kwargs) if interpret else triton.jit(fn, **kwargs)
+    _built[interpret] = kernel
+    return kernel

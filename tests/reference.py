@@ -1,0 +1,46 @@
+"""The float64 reference of DESIGN section 1, and inputs for every rank drawn from one seed."""
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def lse_combine_reference(outs: list, lses: list, base_e: bool = True):
+    """outs: per rank [B, H, D]; lses: per rank [B, H]. Returns float64 (out [B, H, D], lse [B, H])."""
+    O = torch.stack([o.double() for o in outs])
+    L = torch.stack([l.double() for l in lses])
+    L = torch.where(torch.isnan(L) | (L == float("inf")), torch.full_like(L, NEG_INF), L)
+    m = L.max(0).values
+    m = torch.where(m == NEG_INF, torch.zeros_like(m), m)
+    w = torch.exp(L - m) if base_e else torch.exp2(L - m)
+    s = w.sum(0)
+    contrib = torch.where(w[..., None] > 0, w[..., None] * O, torch.zeros_like(O)).sum(0)
+    out = torch.where(s[..., None] > 0, contrib / s[..., None], torch.zeros_like(contrib))
+    glse = (torch.log(s) if base_e else torch.log2(s)) + m
+    glse = torch.where(s > 0, glse, torch.full_like(s, NEG_INF))
+    return out, glse
+
+
+def make_inputs(seed: int, world: int, B: int, H: int, D: int, dtype, lse_dtype=torch.float32,
+                special: bool = False):
+    """Inputs of every rank, identical in every process that draws them with the same seed.
+
+    With ``special``: empty-shard rows (NaN outputs, -inf LSE), NaN and +inf LSEs (read as -inf)
+    and rows where every rank is empty.
+    """
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(B, H, D, generator=g).to(dtype) for _ in range(world)]
+    lses = [(torch.randn(B, H, generator=g) * 4).to(lse_dtype) for _ in range(world)]
+    if special and B > 0:
+        for r in range(world):
+            pick = torch.rand(B, H, generator=g)
+            empty = pick < 0.2
+            lses[r][empty] = NEG_INF
+            outs[r][empty] = float("nan")
+            lses[r][(pick >= 0.2) & (pick < 0.25)] = float("nan")
+            lses[r][(pick >= 0.25) & (pick < 0.3)] = float("inf")
+            outs[r][(pick >= 0.25) & (pick < 0.3)] = float("inf")
+        for r in range(world):  # token 0, head 0: every rank empty
+            lses[r][0, 0] = NEG_INF
+            outs[r][0, 0] = float("nan")
+    return outs, lses

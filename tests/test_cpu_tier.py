@@ -1,0 +1,72 @@
+"""CPU tier: the real kernels under Triton's interpreter, one process per rank, host shared memory."""
+
+import pytest
+
+from tests import rank_cases as rc
+from tests.conftest import fresh_seed
+from tests.world import RankError
+
+# (N, heads per rank, head dim): odd head counts and a head dim that is not a power of two included.
+GEOMETRY = {2: (3, 24), 3: (2, 16), 4: (1, 32), 5: (2, 8), 6: (2, 16), 7: (1, 16), 8: (2, 8)}
+MAX_TOKENS = 4
+
+
+@pytest.mark.parametrize("n", sorted(GEOMETRY))
+def test_lse_reduce_matches_reference(worlds, n):
+    w = worlds(n)
+    hn, d = GEOMETRY[n]
+    seed = fresh_seed()
+    w.run(rc.make_comm, "bf16", max_tokens=MAX_TOKENS, num_heads=hn * n, head_dim=d, dtype="bfloat16")
+    cases = [
+        dict(B=1, base_e=True, return_lse=True),
+        dict(B=MAX_TOKENS, base_e=False, return_lse=True, use_out=True),
+        dict(B=2 * MAX_TOKENS + 1, return_lse=False, special=True),  # chunked inside one call
+        dict(B=3, strided=True, lse_dtype="bfloat16", use_out=True),
+        dict(B=MAX_TOKENS, special=True, base_e=False, use_out=True),
+        dict(B=2, lse_dtype="float16", return_lse=False),
+    ]
+    for i, case in enumerate(cases):  # consecutive calls: both slots, several epochs
+        w.run(rc.lse_case, "bf16", seed + i, **case)
+    w.run(rc.make_comm, "fp16", max_tokens=MAX_TOKENS, num_heads=hn * n, head_dim=d, dtype="float16")
+    w.run(rc.lse_case, "fp16", seed + 100, B=MAX_TOKENS + 1, special=True, use_out=True)
+    w.run(rc.lse_case, "fp16", seed + 101, B=2, base_e=False, strided=True)
+    w.run(rc.close_comm, "bf16")
+    w.run(rc.close_comm, "fp16")
+    assert w.run(rc.shm_segments, ranks=[0]) == [[]]
+
+
+def test_bad_calls_raise_clear_errors(worlds):
+    w = worlds(3)
+    w.run(rc.make_comm, "err", max_tokens=2, num_heads=6, head_dim=16)
+    messages = w.run(rc.bad_calls, "err")
+    assert all(len(m) == len(messages[0]) for m in messages)
+    w.run(rc.close_comm, "err")
+    msg = w.run(rc.call_after_close)
+    assert all("closed" in m for m in msg)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(max_tokens=2, num_heads=7, head_dim=16), "num_heads"),
+    (dict(max_tokens=2, num_heads=6, head_dim=12), "head_dim"),
+    (dict(max_tokens=2, num_heads=6, head_dim=2048), "head_dim"),
+    (dict(max_tokens=0, num_heads=6, head_dim=16), "max_tokens"),
+])
+def test_bad_geometry_fails_on_every_rank(worlds, kwargs, needle):
+    msgs = worlds(3).run(rc.construct_expect_error, **kwargs)
+    assert len(set(msgs)) == 1 and needle in msgs[0]
+
+
+def test_ranks_disagreeing_on_geometry_fail_together(worlds):
+    w = worlds(3)
+    # rank-dependent max_tokens: sent separately to each rank
+    msgs = []
+    for r in range(3):
+        w.conns[r].send((rc.construct_expect_error.__module__, "construct_expect_error", (),
+                         dict(max_tokens=2 + r, num_heads=6, head_dim=16)))
+    msgs = w._collect(range(3), 120)
+    assert len(set(msgs)) == 1 and "disagree" in msgs[0]
+
+
+def test_rank_errors_are_reported(worlds):
+    with pytest.raises(RankError):
+        worlds(2).run(rc.lse_case, "missing-key", 0, B=1)
