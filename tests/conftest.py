@@ -3,7 +3,7 @@ import os
 import pytest
 
 from tests.rank_cases import shm_segments
-from tests.world import World
+from dcp.spawn import World
 
 
 def pytest_configure(config):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll, DcpError
-from tests.reference import lse_combine_reference, make_inputs
+from dcp.reference import lse_combine_reference, make_inputs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -63,8 +63,8 @@ def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", bas
     if use_out:
         assert y is out and (y_lse is out_lse)
     assert y.shape == (B, hn, D) and y.dtype == comm.dtype
-    ref, ref_lse = lse_combine_reference(outs, lses, base_e)
-    ref, ref_lse = ref[:, rank * hn:(rank + 1) * hn], ref_lse[:, rank * hn:(rank + 1) * hn]
+    mine = slice(rank * hn, (rank + 1) * hn)
+    ref, ref_lse = lse_combine_reference([o[:, mine] for o in outs], [l[:, mine] for l in lses], base_e)
     y64 = y.double().cpu()
     assert torch.isfinite(y64).all(), f"non-finite outputs at {torch.nonzero(~torch.isfinite(y64))[:5].tolist()}"
     tol = TOL[comm.dtype]
@@ -149,3 +149,103 @@ def shm_segments(state=None) -> list:
 
 def rank_pid(state) -> int:
     return os.getpid()
+
+
+def count_launches(state, key: str, B: int) -> list:
+    """Names of the device kernels one eager call runs, as the CUDA profiler sees them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    comm: DcpAllToAll = state[key]
+    outs, lses = make_inputs(1, comm.world, B, comm.num_heads, comm.head_dim, comm.dtype)
+    po, pl = outs[comm.rank].to(comm.device), lses[comm.rank].to(comm.device)
+    out = torch.empty((B, comm.heads_per_rank, comm.head_dim), dtype=comm.dtype, device=comm.device)
+    comm.lse_reduce(po, pl, out=out)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        comm.lse_reduce(po, pl, out=out)
+        torch.cuda.synchronize()
+    dist.barrier()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def _fill(dst_out, dst_lse, outs, lses, rank):
+    dst_out.copy_(outs[rank])
+    dst_lse.copy_(lses[rank])
+
+
+def graph_case(state, key: str, seed: int, sizes: list, calls_per_graph: int, replays: int,
+               channel: int = 0) -> dict:
+    """Graphs at several batch sizes, each holding several calls, replayed in a random order shared
+    by all ranks and interleaved with eager calls, on fresh inputs written in place each time."""
+    comm: DcpAllToAll = state[key]
+    dev, H, D, hn, n, rank = comm.device, comm.num_heads, comm.head_dim, comm.heads_per_rank, comm.world, comm.rank
+    g = torch.Generator().manual_seed(seed)
+    graphs = []
+    alloc_deltas = []
+    for B in sizes:
+        po = [torch.empty((B, H, D), dtype=comm.dtype, device=dev) for _ in range(calls_per_graph)]
+        pl = [torch.empty((B, H), dtype=torch.float32, device=dev) for _ in range(calls_per_graph)]
+        ys = [torch.empty((B, hn, D), dtype=comm.dtype, device=dev) for _ in range(calls_per_graph)]
+        yl = [torch.empty((B, hn), dtype=torch.float32, device=dev) for _ in range(calls_per_graph)]
+        for k in range(calls_per_graph):
+            o, l = make_inputs(seed + 7 * B + k, n, B, H, D, comm.dtype)
+            _fill(po[k], pl[k], o, l, rank)
+        # the eager warm-up call just before capture, as a serving engine does
+        comm.lse_reduce(po[0], pl[0], out=ys[0], out_lse=yl[0], return_lse=True, channel=channel)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        before = torch.cuda.memory_stats(dev).get("allocation.all.allocated", 0)
+        with torch.cuda.graph(graph, stream=stream):
+            for k in range(calls_per_graph):
+                comm.lse_reduce(po[k], pl[k], out=ys[k], out_lse=yl[k], return_lse=True, channel=channel)
+        alloc_deltas.append(torch.cuda.memory_stats(dev).get("allocation.all.allocated", 0) - before)
+        graphs.append((B, graph, po, pl, ys, yl))
+    order = torch.randint(0, len(graphs), (replays,), generator=g).tolist()
+    max_err = 0.0
+    for step, i in enumerate(order):
+        B, graph, po, pl, ys, yl = graphs[i]
+        inputs = []
+        for k in range(calls_per_graph):
+            o, l = make_inputs(seed * 31 + step * 101 + k, n, B, H, D, comm.dtype, special=(k == 1))
+            _fill(po[k], pl[k], o, l, rank)
+            ys[k].fill_(float("nan"))
+            yl[k].fill_(float("nan"))
+            inputs.append((o, l))
+        graph.replay()
+        if step % 3 == 2:  # an eager call between replays moves the epoch by one
+            o, l = make_inputs(seed + step, n, 5, H, D, comm.dtype)
+            comm.lse_reduce(o[rank].to(dev), l[rank].to(dev), channel=channel)
+        torch.cuda.synchronize()
+        mine = slice(rank * hn, (rank + 1) * hn)
+        for k, (o, l) in enumerate(inputs):
+            ref, ref_lse = lse_combine_reference([x[:, mine] for x in o], [x[:, mine] for x in l])
+            y = ys[k].double().cpu()
+            assert torch.isfinite(y).all(), f"graph B={B} call {k} step {step}: unwritten or NaN outputs"
+            err = ((y - ref).abs() / (1 + ref.abs())).max().item()
+            assert err <= TOL[comm.dtype], f"graph B={B} call {k} step {step}: error {err}"
+            fin = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isneginf(yl[k].double().cpu()), torch.isneginf(ref_lse))
+            assert (yl[k].double().cpu()[fin] - ref_lse[fin]).abs().max().item() < 1e-3
+            max_err = max(max_err, err)
+    comm.check()
+    return {"max_err": max_err, "alloc_deltas": alloc_deltas, "replays": replays}
+
+
+def capture_before_warmup(state, key: str) -> str:
+    """A capture that would need an unloaded variant must refuse, not compile inside the capture."""
+    comm: DcpAllToAll = state[key]
+    dev, H, D = comm.device, comm.num_heads, comm.head_dim
+    raw = torch.empty(2 * H * D + 1, dtype=comm.dtype, device=dev)
+    po = raw[1:].view(2, H, D)  # 2-byte offset: a layout no warm-up compiled
+    pl = torch.randn(2, H, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            comm.lse_reduce(po, pl)
+    except DcpError as exc:
+        assert "warmup" in str(exc)
+        return str(exc)
+    raise AssertionError("capture compiled a new variant instead of refusing")

@@ -4,7 +4,7 @@ import pytest
 
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
-from tests.world import RankError
+from dcp.spawn import RankError
 
 # (N, heads per rank, head dim): odd head counts and a head dim that is not a power of two included.
 GEOMETRY = {2: (3, 24), 3: (2, 16), 4: (1, 32), 5: (2, 8), 6: (2, 16), 7: (1, 16), 8: (2, 8)}

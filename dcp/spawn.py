@@ -1,4 +1,4 @@
-"""A group of rank processes for tests and benchmarks: spawned once, driven by function name.
+"""Local rank processes for tests and benchmarks: spawned once, driven by function name.
 
 Each rank is a process (ranks on streams of one process can deadlock, see DESIGN). Every call has a
 timeout; on timeout or close the processes are killed, so no test leaves one behind.

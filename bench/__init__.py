@@ -1,0 +1,1 @@
+"""Microbenchmarks of the DCP all-to-all against NCCL (``python -m bench``)."""

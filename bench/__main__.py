@@ -1,0 +1,185 @@
+"""``python -m bench``: the DCP all-to-all timed against the reference, with provenance.
+
+Spawns its own rank processes: one per GPU with several GPUs, N processes on one GPU with one, and
+the CPU tier (Triton's interpreter) with none. Columns follow nccl-tests' all-to-all conventions:
+size is the bytes one rank sends (the packed [N, B, H/N, D+2] buffer), algbw = size / time and
+busbw = algbw * (N - 1) / N.
+"""
+
+import argparse
+import contextlib
+import csv
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from dcp.spawn import World
+from bench import ranks
+
+COPY_RATE_DEFAULT = 4.2e12  # bytes/s read + written on one H200 (DESIGN section 6), if not measured
+
+
+def _sh(cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:
+        return ""
+
+
+def provenance(argv: list) -> dict:
+    import triton
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m bench"] + argv),
+        "host": platform.node(),
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "git_commit": _sh("git rev-parse --short HEAD"),
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["driver"] = _sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1")
+        info["topology"] = _sh("nvidia-smi topo -m")
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    else:
+        info["gpus"] = []
+    return info
+
+
+@contextlib.contextmanager
+def mps_daemon(enabled: bool):
+    """Start the CUDA MPS daemon for the run (ranks on one GPU then run concurrently)."""
+    if not enabled:
+        yield
+        return
+    tmp = tempfile.mkdtemp(prefix="dcp-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": tmp, "CUDA_MPS_LOG_DIRECTORY": tmp}
+    os.environ.update(env)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, timeout=30)
+        for k in env:
+            os.environ.pop(k, None)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_rate() -> float:
+    """Device-to-device copy rate, bytes read plus written per second."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        y.copy_(x)
+    b.record()
+    torch.cuda.synchronize()
+    rate = 2 * x.numel() * 10 / (a.elapsed_time(b) * 1e-3)
+    del x, y
+    torch.cuda.empty_cache()
+    return rate
+
+
+def floor_bytes(n: int, B: int, hn: int, d: int, shared_device: bool) -> int:
+    """Bytes one rank must move (read input, write packed rows, read them back, write output);
+    all ranks together where they share one device's memory."""
+    H, row = hn * n, (d + 2 + 7) // 8 * 8
+    per_rank = B * H * (2 * d + 4) + 2 * B * H * row * 2 + B * hn * d * 2
+    return per_rank * (n if shared_device else 1)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, nargs="+",
+                   default=[torch.cuda.device_count()] if cuda and torch.cuda.device_count() > 1 else [3, 6])
+    p.add_argument("--batch", type=int, nargs="+",
+                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if cuda else [1, 4, 16])
+    p.add_argument("--heads-per-rank", type=int, default=16 if cuda else 2)
+    p.add_argument("--head-dim", type=int, nargs="+", default=[512, 128] if cuda else [64])
+    p.add_argument("--modes", nargs="+", default=["eager", "graph", "graph8"] if cuda else ["eager"])
+    p.add_argument("--iters", type=int, default=200 if cuda else 5)
+    p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
+    p.add_argument("--out", default="docs/results", help="folder for results.csv and results.json")
+    args = p.parse_args(argv)
+
+    gpus = torch.cuda.device_count() if cuda else 0
+    rate = copy_rate() if cuda else float("nan")
+    info = provenance(argv)
+    info["copy_rate_Bps"] = rate
+    rows = []
+    device = "cuda" if cuda else "cpu"
+    seed = int.from_bytes(os.urandom(4), "little")
+    with mps_daemon(args.mps and cuda):
+        for n in args.world_size:
+            shared = gpus < n
+            w = World(n, device)
+            try:
+                for d in args.head_dim:
+                    w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device)
+                    for B in args.batch:
+                        for mode in args.modes:
+                            res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=600)
+                            worst = max(res, key=lambda r: r["median_us"])
+                            size = n * B * args.heads_per_rank * (d + 2) * 2
+                            fb = floor_bytes(n, B, args.heads_per_rank, d, shared)
+                            floor_us = fb / rate * 1e6 if cuda else float("nan")
+                            row = dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0,
+                                       mps=bool(args.mps and cuda), head_dim=d,
+                                       heads_per_rank=args.heads_per_rank, B=B, mode=mode, backend="triton",
+                                       size_bytes=size, **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
+                                       algbw_GBps=size / worst["median_us"] / 1e3,
+                                       busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n,
+                                       floor_us=floor_us, floor_frac=floor_us / worst["median_us"],
+                                       host_us=max(r["host_us"] for r in res),
+                                       max_rel_err=max(r["max_rel_err"] for r in res),
+                                       nccl_us=float("nan"), speedup=float("nan"))
+                            rows.append(row)
+                            print(f"\r[{len(rows)}] N={n} D={d} B={B} {mode}: {row['median_us']:.1f} us",
+                                  end="", flush=True)
+            finally:
+                w.close()
+    print()
+    if shared and cuda:
+        print("NCCL: not run (it refuses two ranks on one GPU); its columns are NaN.")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.csv"), "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["date", "git_commit"])
+        if f.tell() == 0:
+            writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "date": info["date"], "git_commit": info["git_commit"]})
+    path = os.path.join(args.out, "results.json")
+    runs = json.load(open(path)) if os.path.exists(path) else []
+    runs.append({"provenance": info, "rows": rows})
+    json.dump(runs, open(path, "w"), indent=1)
+    print(format_table(rows))
+
+
+def format_table(rows: list) -> str:
+    head = (f"{'N':>2} {'D':>4} {'B':>4} {'mode':>6} {'size(B)':>9} {'med(us)':>8} {'p10':>7} {'p90':>7} "
+            f"{'algbw':>7} {'busbw':>7} {'floor':>7} {'%floor':>6} {'host':>6} {'nccl':>6} {'x':>5}")
+    out = [head]
+    for r in rows:
+        out.append(f"{r['world']:>2} {r['head_dim']:>4} {r['B']:>4} {r['mode']:>6} {r['size_bytes']:>9} "
+                   f"{r['median_us']:>8.1f} {r['p10_us']:>7.1f} {r['p90_us']:>7.1f} {r['algbw_GBps']:>7.2f} "
+                   f"{r['busbw_GBps']:>7.2f} {r['floor_us']:>7.1f} {100 * r['floor_frac']:>5.0f}% "
+                   f"{r['host_us']:>6.1f} {r['nccl_us']:>6.1f} {r['speedup']:>5.2f}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
