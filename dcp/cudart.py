@@ -52,14 +52,17 @@ def ipc_handle(ptr: int) -> bytes:
     return handle.raw
 
 
+class _IpcMemHandle(ctypes.Structure):
+    """cudaIpcMemHandle_t: a 64-byte struct, passed by value (a bare array would decay to a pointer)."""
+
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
 def ipc_open(handle: bytes) -> int:
     ptr = ctypes.c_void_p()
-    buf = ctypes.create_string_buffer(handle, IPC_HANDLE_BYTES)
-    # cudaIpcMemHandle_t is a 64-byte struct passed by value.
-    struct = (ctypes.c_char * IPC_HANDLE_BYTES).from_buffer(buf)
     fn = _cudart().cudaIpcOpenMemHandle
-    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char * IPC_HANDLE_BYTES, ctypes.c_uint]
-    _check(fn(ctypes.byref(ptr), struct, _LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
+    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcMemHandle, ctypes.c_uint]
+    _check(fn(ctypes.byref(ptr), _IpcMemHandle(handle), _LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
     return ptr.value
 
 
