@@ -62,7 +62,9 @@ def ipc_open(handle: bytes) -> int:
     ptr = ctypes.c_void_p()
     fn = _cudart().cudaIpcOpenMemHandle
     fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcMemHandle, ctypes.c_uint]
-    _check(fn(ctypes.byref(ptr), _IpcMemHandle(handle), _LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
+    struct = _IpcMemHandle()
+    ctypes.memmove(ctypes.byref(struct), handle, IPC_HANDLE_BYTES)
+    _check(fn(ctypes.byref(ptr), struct, _LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
     return ptr.value
 
 
