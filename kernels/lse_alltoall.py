@@ -269,6 +269,7 @@ def build_lse_alltoall(interpret: bool):
         helper = types.FunctionType(helper.__code__, scope, name)
         scope[name] = helper if interpret else triton.jit(helper)
     fn = types.FunctionType(lse_alltoall_kernel.__code__, scope, "lse_alltoall_kernel")
+    fn.__annotations__ = dict(lse_alltoall_kernel.__annotations__)  # constexpr parameters
     fn.__module__ = __name__
     fn.__qualname__ = "lse_alltoall_kernel"
     kwargs = dict(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=["lse", "y_lse", "ctl"])
