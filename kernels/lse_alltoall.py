@@ -47,6 +47,7 @@ _TIMEOUT = tl.constexpr(STATUS_TIMEOUT)
 _MISMATCH = tl.constexpr(STATUS_MISMATCH)
 _CTL_STATUS = tl.constexpr(CTL_STATUS)
 _CTL_TIMEOUT = tl.constexpr(CTL_TIMEOUT)
+_MISMATCH_AFTER_NS = tl.constexpr(20_000)
 
 
 def lse_alltoall_kernel(
@@ -95,7 +96,7 @@ def lse_alltoall_kernel(
                 vals = tl.load(po + tok[:, None] * s_po_b + head[:, None] * s_po_h + c_off[None, :],
                                mask=rmask[:, None] & cmask[None, :])
                 lv = tl.load(lse + tok * s_lse_b + head * s_lse_h, mask=rmask).to(tl.float32)
-                recv16 = (base + RECV_OFF).to(tl.pointer_type(tl.int16))
+                recv16 = tl.multiple_of((base + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
                 recv32 = (base + RECV_OFF).to(tl.pointer_type(tl.float32))
                 tl.store(recv16 + dst_row[:, None] * ROW + c_off[None, :], vals.to(tl.int16, bitcast=True),
                          mask=rmask[:, None] & cmask[None, :])
@@ -114,7 +115,7 @@ def lse_alltoall_kernel(
         # entered the call with different sizes; tile 0's B is checked too, since a sender with
         # fewer tokens never publishes the tiles it does not have.
         flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int32))
-        recv16 = (local + RECV_OFF).to(tl.pointer_type(tl.int16))
+        recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
         recv32 = (local + RECV_OFF).to(tl.pointer_type(tl.float32))
         t = pid
         while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
@@ -129,12 +130,14 @@ def lse_alltoall_kernel(
                     n_first += (_load_relaxed(src_flags) == e).to(tl.int32)
                 late = (_now(e) - start) > timeout
                 code = tl.where(n_arrived == N, -1, tl.where(late, _TIMEOUT, 0))
-                if n_first > 0:
-                    _fence(e)
+                # A size mismatch shows as tile 0 arriving with another B while this tile never
+                # does; look only once the wait is not short (each look costs fences).
+                if (n_first > 0) & (code == 0) & ((_now(e) - start) > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
                         src_flags = flags + (slot * N + s) * TILES_MAX * 2
-                        first_b = _load_relaxed(src_flags + 1)
-                        if (_load_relaxed(src_flags) == e) & (first_b != n_tokens):
+                        first_e = _load_relaxed(src_flags)
+                        _fence(e)  # the flag before the B it publishes
+                        if (first_e == e) & (_load_relaxed(src_flags + 1) != n_tokens):
                             code = _MISMATCH
                 _pause()
             _fence(e)

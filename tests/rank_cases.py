@@ -60,6 +60,7 @@ def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", bas
     res = comm.lse_reduce(po, pl, return_lse=return_lse, is_lse_base_on_e=base_e, out=out,
                           out_lse=out_lse, channel=channel)
     y, y_lse = res if return_lse else (res, None)
+    comm.check(synchronize=True)  # a timeout or size mismatch raises here, naming the rank
     if use_out:
         assert y is out and (y_lse is out_lse)
     assert y.shape == (B, hn, D) and y.dtype == comm.dtype
