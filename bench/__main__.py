@@ -132,7 +132,7 @@ def main(argv=None) -> None:
                     w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device)
                     for B in args.batch:
                         for mode in args.modes:
-                            res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=600)
+                            res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
                             worst = max(res, key=lambda r: r["median_us"])
                             size = n * B * args.heads_per_rank * (d + 2) * 2
                             fb = floor_bytes(n, B, args.heads_per_rank, d, shared)

@@ -142,8 +142,9 @@ class DcpAllToAll:
         if self.device.type == "cpu":
             return 4
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        # Every waiting program of every rank on this device must be resident at once.
-        return max(1, sms * 2 // self.ranks_per_device)
+        # Every waiting program of every rank on this device must be resident at once: one per
+        # SM and rank leaves room for a second resident program and for other kernels.
+        return max(1, sms // self.ranks_per_device)
 
     def _alloc_status(self) -> None:
         nbytes = 4 * STATUS_WORDS * self.channels

@@ -184,6 +184,8 @@ def graph_case(state, key: str, seed: int, sizes: list, calls_per_graph: int, re
     g = torch.Generator().manual_seed(seed)
     graphs = []
     alloc_deltas = []
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):  # torch's own first-capture state, not ours
+        pass
     for B in sizes:
         po = [torch.empty((B, H, D), dtype=comm.dtype, device=dev) for _ in range(calls_per_graph)]
         pl = [torch.empty((B, H), dtype=torch.float32, device=dev) for _ in range(calls_per_graph)]
