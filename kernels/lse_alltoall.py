@@ -194,6 +194,8 @@ def lse_alltoall_kernel(
                     tl.store(status + 12 + s, tl.where(got, _load_relaxed(src_flags + t * 2 + 1),
                                                       tl.where(got_first, _load_relaxed(src_flags + 1), -1)))
                 tl.store(status, code)
+            # After one failed wait the call is lost: later tiles look once and give up.
+            timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
             t += G
 
         # Advance the epoch once per call, after every program has read it: the last to arrive.

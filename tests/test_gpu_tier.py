@@ -51,7 +51,9 @@ def test_one_launch_per_call(worlds):
 @pytest.mark.parametrize("n", [3, 6])
 def test_graphs_replayed_in_any_order(worlds, n):
     w = worlds(n, "cuda")
-    w.run(rc.make_comm, "graphs", device="cuda", max_tokens=64, num_heads=4 * n, head_dim=128)
+    # few programs: each walks several tiles
+    w.run(rc.make_comm, "graphs", device="cuda", max_tokens=64, num_heads=4 * n, head_dim=128,
+          max_programs=3)
     sizes = [1, 2, 3, 8, 17, 64, 100, 512]
     res = w.run(rc.graph_case, "graphs", fresh_seed(), sizes=sizes, calls_per_graph=3, replays=24,
                 timeout=600)
