@@ -184,8 +184,6 @@ def graph_case(state, key: str, seed: int, sizes: list, calls_per_graph: int, re
     g = torch.Generator().manual_seed(seed)
     graphs = []
     alloc_deltas = []
-    with torch.cuda.graph(torch.cuda.CUDAGraph()):  # torch's own first-capture state, not ours
-        pass
     for B in sizes:
         po = [torch.empty((B, H, D), dtype=comm.dtype, device=dev) for _ in range(calls_per_graph)]
         pl = [torch.empty((B, H), dtype=torch.float32, device=dev) for _ in range(calls_per_graph)]
@@ -200,6 +198,10 @@ def graph_case(state, key: str, seed: int, sizes: list, calls_per_graph: int, re
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # An empty capture on the same stream first takes whatever torch allocates for a
+        # capture itself; the capture of our calls must then allocate nothing at all.
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            pass
         before = torch.cuda.memory_stats(dev).get("allocation.all.allocated", 0)
         with torch.cuda.graph(graph, stream=stream):
             for k in range(calls_per_graph):
