@@ -202,11 +202,12 @@ def graph_case(state, key: str, seed: int, sizes: list, calls_per_graph: int, re
         # capture itself; the capture of our calls must then allocate nothing at all.
         with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
             pass
-        before = torch.cuda.memory_stats(dev).get("allocation.all.allocated", 0)
+        allocs = lambda: torch.cuda.memory_stats(dev).get("allocation.all.allocated", 0)
         with torch.cuda.graph(graph, stream=stream):
             for k in range(calls_per_graph):
+                before = allocs()
                 comm.lse_reduce(po[k], pl[k], out=ys[k], out_lse=yl[k], return_lse=True, channel=channel)
-        alloc_deltas.append(torch.cuda.memory_stats(dev).get("allocation.all.allocated", 0) - before)
+                alloc_deltas.append(allocs() - before)
         graphs.append((B, graph, po, pl, ys, yl))
     order = torch.randint(0, len(graphs), (replays,), generator=g).tolist()
     max_err = 0.0
