@@ -1,37 +1,26 @@
-"""``DcpAllToAll``: the communicator that owns the symmetric buffers and runs the fused kernel."""
+"""``DcpAllToAll``: the communicator that owns the buffers, validates calls and picks a transport."""
 
-import ctypes
 import logging
-import math
 import os
 import socket
 from typing import Optional, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from kernels import CTL_STATUS, CTL_TIMEOUT, CTL_WORDS, STATUS_WORDS, build_lse_alltoall
-from dcp import cudart
-from dcp.buffers import SymmetricRegion, provider_for
+from kernels import MAX_PEERS
+from dcp.backends import NcclTransport, TritonTransport
 from dcp.errors import DcpError
-from dcp.protocol import ChannelLayout, raise_status, status_words
+from dcp.protocol import ChannelLayout
 from dcp.rendezvous import agree, all_gather
 
 log = logging.getLogger("dcp")
 
 LSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float16, torch.bfloat16)
+BACKENDS = ("auto", "triton", "nccl")
 MAX_HEAD_DIM = 1024
 DEFAULT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}
-_LOG2E = 1.4426950408889634
-
-
-def _quiet(fn):
-    def run(*args, **kwargs):
-        with np.errstate(all="ignore"):
-            return fn(*args, **kwargs)
-    return run
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -39,23 +28,27 @@ def _shape(t: torch.Tensor) -> str:
 
 
 class DcpAllToAll:
-    """The packed DCP all-to-all with LSE combine on persistent symmetric buffers.
+    """The packed DCP all-to-all with LSE combine on persistent buffers.
 
-    Collective: every rank of ``group`` constructs it with the same geometry. It allocates and maps
-    all of its memory here, once; calls then allocate nothing but their returned outputs. Each
-    channel has its own slots, flags and device-side epoch: calls that may run concurrently (two
-    streams, two graphs replayed at once) must use different channels.
+    Collective: every rank of ``group`` constructs it with the same geometry. All memory is
+    allocated and mapped here, once; calls then allocate nothing but their returned outputs (none
+    with ``out=``). Each channel has its own slots, flags and device-side epoch: calls that may
+    run concurrently (two streams, two graphs replayed at once) must use different channels.
 
-    ``max_tokens`` sizes the buffers, not the calls: larger calls are processed in chunks of
-    ``max_tokens`` tokens, one kernel launch each. A call of up to ``max_tokens`` tokens is one
-    launch.
+    ``max_tokens`` sizes the buffers, not the calls: a call of up to ``max_tokens`` tokens is one
+    kernel launch (``triton`` backend); a larger one runs in chunks of ``max_tokens``, one launch
+    each, inside the same call.
+
+    ``backend``: ``"triton"`` (fused push into peers' buffers), ``"nccl"`` (pack, the group's
+    all-to-all, combine) or ``"auto"`` (triton where every rank reaches every peer's buffer, else
+    nccl, decided by all ranks together). ``None`` reads ``DCP_A2A_BACKEND`` (default ``auto``).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int = 64, num_heads: int = 0,
                  head_dim: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 device: Optional[Union[torch.device, str, int]] = None, *, channels: int = 1,
-                 timeout_s: Optional[float] = None, max_programs: Optional[int] = None,
-                 check: Optional[bool] = None):
+                 device: Optional[Union[torch.device, str, int]] = None, *,
+                 backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
+                 max_programs: Optional[int] = None, check: Optional[bool] = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -64,47 +57,31 @@ class DcpAllToAll:
         self.dtype, self.channels = dtype, channels
         self.heads_per_rank = num_heads // self.world if self.world else 0
         self.timeout_s = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S[self.device.type])
+        requested = backend if backend is not None else os.environ.get("DCP_A2A_BACKEND", "auto")
         env_check = os.environ.get("DCP_A2A_CHECK", "0") not in ("", "0")
         # CPU calls are synchronous, so checking their status costs nothing.
         self.check_calls = bool(check) if check is not None else (env_check or self.device.type == "cpu")
         self._closed = True
-        self._regions: list[SymmetricRegion] = []
-        self._status_addr = 0
-        self._status_keep = None
 
-        geometry = (max_tokens, num_heads, head_dim, str(dtype), channels, self.world)
+        geometry = (max_tokens, num_heads, head_dim, str(dtype), channels, self.world, requested)
         where = self._where()
-        facts = all_gather(group, (geometry, self._local_error(), where))
+        facts = all_gather(group, (geometry, self._local_error(requested), where))
         agree(group, facts[self.rank][1], "DcpAllToAll construction")
         if any(f[0] != geometry for f in facts):
             raise DcpError("ranks disagree on the DcpAllToAll geometry (max_tokens, num_heads, head_dim, "
-                           f"dtype, channels, world): {[f[0] for f in facts]}")
+                           f"dtype, channels, world, backend): {[f[0] for f in facts]}")
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
         self.layout = ChannelLayout(self.world, self.heads_per_rank, head_dim, max_tokens)
         self.max_programs = max_programs or self._default_programs()
-        self._kernel = build_lse_alltoall(interpret=self.device.type == "cpu")
+        self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         self._ready: set = set()
-
-        provider = provider_for(self.device)
-        self.provider = provider.name
-        try:
-            for _ in range(channels):
-                self._regions.append(provider.open(group, self.layout.nbytes))
-            self._alloc_status()
-            timeout_ns = int(self.timeout_s * 1e9)
-            self._ctl = []
-            for c, region in enumerate(self._regions):
-                words = list(region.peers) + [0] * (CTL_STATUS - self.world)
-                words += [self._status_addr + 4 * STATUS_WORDS * c, timeout_ns]
-                self._ctl.append(torch.tensor(words[:CTL_WORDS], dtype=torch.int64, device=self.device))
-            self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
-        except Exception:
-            self._release()
-            raise
+        self._transport = self._select(requested, [f[2].split("/")[0] for f in facts])
+        self.backend: str = self._transport.name
+        self.provider: str = self._transport.provider
         self._closed = False
         self.warmup()
 
-    # --- setup helpers -------------------------------------------------------------------------
+    # --- setup ---------------------------------------------------------------------------------
     def _resolve_device(self, device) -> torch.device:
         if device is None:
             if torch.cuda.is_available():
@@ -120,10 +97,12 @@ class DcpAllToAll:
             return f"{socket.gethostname()}/{torch.cuda.get_device_properties(self.device).uuid}"
         return f"{socket.gethostname()}/cpu"
 
-    def _local_error(self) -> Optional[str]:
+    def _local_error(self, backend: str) -> Optional[str]:
         n, h, d = self.world, self.num_heads, self.head_dim
-        if not 2 <= n <= 8:
-            return f"the group has {n} ranks; supported: 2 to 8"
+        if n < 2:
+            return f"the group has {n} rank(s); a DCP group needs at least 2"
+        if backend not in BACKENDS:
+            return f"backend must be one of {BACKENDS}; got {backend!r}"
         if not isinstance(h, int) or h <= 0 or h % n:
             return f"num_heads must be a positive multiple of the group size {n}; got {h}"
         if not isinstance(d, int) or d <= 0 or d % 8 or d > MAX_HEAD_DIM:
@@ -146,22 +125,50 @@ class DcpAllToAll:
         # SM and rank leaves room for a second resident program and for other kernels.
         return max(1, sms // self.ranks_per_device)
 
-    def _alloc_status(self) -> None:
-        nbytes = 4 * STATUS_WORDS * self.channels
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                self._status_addr = cudart.host_alloc_mapped(nbytes)
-        else:
-            self._status_keep = ctypes.create_string_buffer(nbytes)
-            self._status_addr = ctypes.addressof(self._status_keep)
+    def _triton_obstacle(self, hosts: list) -> Optional[str]:
+        """Why the triton path cannot serve this group, as every rank sees it (None: it can)."""
+        if len(set(hosts)) > 1:
+            return f"ranks are on {len(set(hosts))} hosts"
+        if self.world > MAX_PEERS:
+            return f"the group has {self.world} ranks; the triton path serves up to {MAX_PEERS}"
+        return None
 
-    def _release(self) -> None:
-        for region in self._regions:
-            region.close()
-        self._regions = []
-        if self._status_addr and self.device.type == "cuda":
-            cudart.free_host(self._status_addr)
-        self._status_addr, self._status_keep = 0, None
+    def _p2p_obstacle(self) -> Optional[str]:
+        """This rank's view: can its GPU reach every other GPU of the group (peer access)?"""
+        if self.device.type != "cuda":
+            return None
+        devices = all_gather(self.group, self.device.index)
+        for other in set(devices) - {self.device.index}:
+            if not torch.cuda.can_device_access_peer(self.device.index, other):
+                return f"GPU {self.device.index} has no peer access to GPU {other}"
+        return None
+
+    def _select(self, requested: str, hosts: list):
+        obstacle = self._triton_obstacle(hosts)
+        if requested == "auto" and obstacle is None:
+            views = all_gather(self.group, self._p2p_obstacle())
+            obstacle = next((v for v in views if v), None)
+        if requested == "triton" and obstacle is not None:
+            raise DcpError(f"backend='triton' cannot serve this group: {obstacle}")
+        if requested == "nccl" or obstacle is not None:
+            reason = "requested" if requested == "nccl" else obstacle
+            return self._chosen(NcclTransport(self.group, self.layout, self.device, self.channels), reason)
+        try:
+            transport = TritonTransport(self.group, self.layout, self.device, self.channels,
+                                        self.timeout_s, self.max_programs)
+        except DcpError as exc:  # raised on every rank alike: the fallback is collective too
+            if requested == "triton":
+                raise
+            return self._chosen(NcclTransport(self.group, self.layout, self.device, self.channels),
+                                f"buffer setup failed: {exc}")
+        return self._chosen(transport, "requested" if requested == "triton" else
+                            "every rank reaches every peer's buffer")
+
+    def _chosen(self, transport, reason: str):
+        if self.rank == 0:
+            log.info("DCP all-to-all backend: %s (%s)", transport.name, reason)
+        self.backend_reason = reason
+        return transport
 
     # --- readiness -----------------------------------------------------------------------------
     def _variant(self, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor) -> tuple:
@@ -173,41 +180,39 @@ class DcpAllToAll:
                partial_lse: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> None:
         """Compile and load every kernel variant a call can use, so that capture never does.
 
-        Without arguments, the variants of well-aligned inputs for each accepted LSE dtype. With
-        example tensors, also the variant of their exact layout (pointers not 16-byte aligned or
-        strides not multiples of 8 need their own). Local: touches no peer and no epoch.
+        Without arguments: the variants of well-aligned inputs, for each accepted LSE dtype. With
+        example tensors: also the variant of their exact layout (pointers not 16-byte aligned or
+        strides not multiples of 8 need their own). Runs only load-only launches: local, touches
+        no peer and no epoch. Called by the constructor.
         """
         self._check_open()
-        if self.device.type == "cpu":
-            return  # interpreted: nothing to compile
+        if self.device.type == "cpu" or self.backend != "triton":
+            return  # interpreted (nothing to compile), or nccl (its kernels never wait on peers)
         if partial_out is not None:
             y = out if out is not None else torch.empty(
                 (1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
-            lse = partial_lse if partial_lse is not None else self._lse_scratch
-            self._launch_load_only(partial_out, lse, y)
+            self._load(partial_out, partial_lse if partial_lse is not None else self._lse_scratch, y)
             return
         po = torch.empty((1, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device)
         y = torch.empty((1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
         for lse_dtype in LSE_DTYPES:
-            lse = torch.empty((1, self.num_heads), dtype=lse_dtype, device=self.device)
-            self._launch_load_only(po, lse, y)
+            self._load(po, torch.empty((1, self.num_heads), dtype=lse_dtype, device=self.device), y)
 
-    def _launch_load_only(self, po, lse, y) -> None:
+    def _load(self, po, lse, y) -> None:
         key = self._variant(po, lse, y)
         if key in self._ready:
             return
-        if torch.cuda.is_current_stream_capturing():
-            raise self._not_ready(key)
-        torch.cuda.current_stream(self.device).synchronize()  # no spinning kernel while loading
-        self._launch(po, lse, y, self._lse_scratch, 0, 0, False, True, key[1])
-        torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type == "cuda" and self.backend == "triton":
+            if torch.cuda.is_current_stream_capturing():
+                raise DcpError(
+                    f"the kernel variant for this call (LSE dtype {key[0]}, aligned layout {key[1]}) is "
+                    "not loaded, and the stream is capturing a CUDA graph: call comm.warmup(partial_out, "
+                    "partial_lse, out) with tensors of this layout before capture")
+            stream = torch.cuda.current_stream(self.device)
+            stream.synchronize()  # loading a module next to a spinning kernel can block
+            self._transport.launch(po, lse, y, self._lse_scratch, 0, 0, False, True, key[1])
+            stream.synchronize()
         self._ready.add(key)
-
-    def _not_ready(self, key) -> DcpError:
-        return DcpError(
-            f"the kernel variant for this call (LSE dtype {key[0]}, aligned layout {key[1]}) is not "
-            "compiled, and the stream is capturing a CUDA graph: call comm.warmup(partial_out, "
-            "partial_lse, out) with tensors of this layout before capture")
 
     # --- the call ------------------------------------------------------------------------------
     def lse_reduce(self, partial_out: torch.Tensor, partial_lse: torch.Tensor,
@@ -216,8 +221,9 @@ class DcpAllToAll:
                    channel: int = 0, check: Optional[bool] = None):
         """Combine this rank's head chunk over all ranks: ``[B, H, D]`` -> ``[B, H/N, D]``.
 
-        Returns ``out`` (allocated unless given), and with ``return_lse`` also the combined LSE
-        ``[B, H/N]`` fp32, in the base of the input LSE.
+        Returns ``out`` (allocated unless given) and, with ``return_lse``, the combined LSE
+        ``[B, H/N]`` fp32 in the base of the input LSE (``out_lse`` if given). ``check`` (default:
+        the constructor's) synchronizes and raises a recorded timeout or size mismatch.
         """
         self._check_open()
         B = self._validate(partial_out, partial_lse, out, out_lse, channel)
@@ -228,42 +234,21 @@ class DcpAllToAll:
             y_lse = out_lse if out_lse is not None else torch.empty(
                 (B, hn), dtype=torch.float32, device=self.device)
         if B > 0:
-            key = self._variant(partial_out, partial_lse, y)
-            if key not in self._ready:
-                if self.device.type == "cuda":
-                    self._launch_load_only(partial_out, partial_lse, y)
-                else:
-                    self._ready.add(key)
+            self._load(partial_out, partial_lse, y)
+            aligned = self._variant(partial_out, partial_lse, y)[1]
             for b0 in range(0, B, self.max_tokens):
                 b1 = min(B, b0 + self.max_tokens)
-                self._launch(partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
-                             y_lse[b0:b1] if y_lse is not None else self._lse_scratch,
-                             b1 - b0, channel, y_lse is not None, is_lse_base_on_e, key[1])
+                self._transport.launch(partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
+                                       y_lse[b0:b1] if y_lse is not None else self._lse_scratch,
+                                       b1 - b0, channel, y_lse is not None, is_lse_base_on_e, aligned)
             if check if check is not None else self.check_calls:
                 self.check(synchronize=True)
         return (y, y_lse) if return_lse else y
 
-    def _launch(self, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, aligned) -> None:
-        n_tiles = -(-n_tokens * self.heads_per_rank // self.layout.block_rows)
-        grid = (max(1, min(n_tiles, self.max_programs)),)
-        div = 8 if aligned else 1
-        lse_strides = lse.stride() if lse.dim() == 2 else (0, 0)
-        ylse_strides = y_lse.stride() if y_lse.dim() == 2 else (0, 0)
-        launch = self._kernel[grid]
-        if self.device.type == "cpu":
-            # The interpreter also evaluates masked-off lanes (divide by zero, log of 0): harmless.
-            launch = _quiet(launch)
-        launch(
-            po, lse, y, y_lse, self._ctl[channel], n_tokens, self.rank,
-            po.stride(0) // div, po.stride(1) // div, lse_strides[0], lse_strides[1],
-            y.stride(0) // div, y.stride(1) // div, ylse_strides[0], ylse_strides[1],
-            int(write_lse), _LOG2E if base_e else 1.0,
-            ALIGNED=aligned, num_warps=4, **self.layout.constexprs())
-
     def _validate(self, po, lse, out, out_lse, channel) -> int:
         hn, h, d = self.heads_per_rank, self.num_heads, self.head_dim
 
-        def expect(name, t, shape, dtypes, last_contig=True):
+        def expect(name, t, shape, dtypes):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             want = "[" + ", ".join(str(s) for s in shape) + "]"
@@ -275,7 +260,7 @@ class DcpAllToAll:
                 raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name}: expected device {self.device}, got {t.device}")
-            if last_contig and t.dim() == 3 and t.stride(-1) != 1 and t.shape[-1] > 1:
+            if t.dim() == 3 and t.stride(-1) != 1 and t.shape[-1] > 1:
                 raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides "
                                  f"{tuple(t.stride())}")
 
@@ -294,17 +279,16 @@ class DcpAllToAll:
     def check(self, synchronize: bool = False) -> None:
         """Raise ``DcpTimeoutError`` or ``DcpMismatchError`` if a finished call recorded one.
 
-        Reads host-mapped status words, so it never waits for the device unless asked to.
+        Reads host-mapped status words: it waits for the device only when asked to.
         """
         self._check_open()
         if synchronize and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        for c in range(self.channels):
-            raise_status(status_words(self._status_addr + 4 * STATUS_WORDS * c), self.world, self.rank, c)
+        self._transport.check(self.channels)
 
     def memory_bytes(self) -> dict:
-        """Bytes of symmetric memory this rank holds, per channel and in total."""
-        per = self.layout.nbytes
+        """Bytes of persistent buffers this rank holds, per channel and in total."""
+        per = self._transport.memory_bytes()
         return {"per_channel": per, "channels": self.channels, "total": per * self.channels}
 
     def _check_open(self) -> None:
@@ -317,12 +301,12 @@ class DcpAllToAll:
         if self._closed:
             return
         self._closed = True
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             dist.barrier(self.group)  # no peer still writes into our buffers
         finally:
-            self._release()
+            self._transport.close()
 
     def __enter__(self) -> "DcpAllToAll":
         return self
@@ -333,4 +317,5 @@ class DcpAllToAll:
     def __repr__(self) -> str:
         return (f"DcpAllToAll(world={self.world}, rank={self.rank}, heads={self.num_heads}, "
                 f"head_dim={self.head_dim}, max_tokens={self.max_tokens}, dtype={self.dtype}, "
-                f"device={self.device}, channels={self.channels}, provider={self.provider})")
+                f"device={self.device}, channels={self.channels}, backend={self.backend}, "
+                f"provider={self.provider})")

@@ -88,3 +88,8 @@ def host_alloc_mapped(nbytes: int) -> int:
 
 def free_host(ptr: int) -> None:
     _check(_cudart().cudaFreeHost(ctypes.c_void_p(ptr)), "cudaFreeHost")
+
+
+def memcpy_htod(dst: int, src: int, nbytes: int) -> None:
+    _check(_cudart().cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), 1),
+           "cudaMemcpy")

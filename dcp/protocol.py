@@ -65,7 +65,7 @@ class ChannelLayout:
         return _align(self.recv_offset + 2 * self.world * self.rows_max * self.row_elems * 2)
 
     def constexprs(self) -> dict:
-        return dict(N=self.world, NP2=_next_pow2(self.world), HN=self.heads_per_rank, D=self.head_dim,
+        return dict(N=self.world, HN=self.heads_per_rank, D=self.head_dim,
                     DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.block_rows,
                     ROWS_MAX=self.rows_max, TILES_MAX=self.tiles_max, FLAG_OFF=self.flag_offset,
                     RECV_OFF=self.recv_offset)

@@ -1,22 +1,26 @@
-"""The fused DCP all-to-all kernel: pack, push, signal, wait and LSE-combine in one launch.
+"""The DCP all-to-all kernels: the fused push kernel, and the pack / combine pair of the NCCL path.
 
-Every rank runs the same grid. Program ``p`` walks the row tiles ``p, p + G, ...`` (a row is one
-(token, head) pair of the flattened ``[B * H/N]`` space of a head chunk) in the same order on every
-rank, first pushing each tile's packed rows into every peer's receive slot and publishing one flag per
-tile and peer, then waiting for the same tiles from every source and combining them. A waiting
-program therefore only ever depends on programs with the same index on other ranks, which run the
-same walk, so the protocol needs no inter-program ordering inside a rank.
+Fused (``lse_alltoall_kernel``, one launch per call). Every rank runs the same grid. Program ``p``
+walks the row tiles ``p, p + G, ...`` (a row is one (token, head) pair of the flattened
+``[B * H/N]`` space of a head chunk) in the same order on every rank: first it packs each tile for
+every destination straight into that destination's receive slot and publishes one flag per tile
+and destination, then it waits for the same tiles from every source and combines them. A waiting
+program only depends on programs with the same index on other ranks, which run the same walk, so
+the protocol needs no ordering between programs of one rank.
 
 Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp.protocol``)::
 
-    state  [epoch int32, arrivals int32]                 local only
+    state  [epoch int32, arrivals int32]                          local only
     flags  [2 slots][N sources][tiles][epoch int32, B int32]
     recv   [2 slots][N sources][B_max * H/N rows][ROW int16]   row = D values, fp32 LSE, padding
 
-The same Python source is built twice: compiled for CUDA, where publishing and polling use
-system-scope fences around relaxed flag stores and loads and time comes from ``%globaltimer``; and under Triton's
-interpreter for CPU tensors, where the same helpers are host atomics, a monotonic clock and a yield
-so that rank processes sharing few cores keep progressing.
+NCCL path (``pack_kernel``, ``all_to_all_single``, ``combine_kernel``): the same packed rows in a
+``[N, B, H/N, ROW]`` send buffer, and the same combine over the received one.
+
+The same Python source is built twice: compiled for CUDA, where publishing and polling are relaxed
+system-scope stores and loads ordered by ``fence.acq_rel.sys`` and time comes from ``%globaltimer``;
+and under Triton's interpreter for CPU tensors, where the same helpers are host atomics, a
+monotonic clock and a yield, so that rank processes sharing few cores keep progressing.
 """
 
 import os
@@ -36,12 +40,13 @@ EPOCH_PERIOD = 2**31 - 2
 STATUS_WORDS = 20
 STATUS_TIMEOUT = 1
 STATUS_MISMATCH = 2
+MAX_PEERS = 8
 
 CTL_STATUS = 8  # ctl[0:N] peer channel bases, ctl[8] status address, ctl[9] timeout (ns)
 CTL_TIMEOUT = 9
 CTL_WORDS = 10
 
-# The same values as constexprs, for use inside the kernel.
+# The same values as constexprs, for use inside the kernels.
 _PERIOD = tl.constexpr(EPOCH_PERIOD)
 _TIMEOUT = tl.constexpr(STATUS_TIMEOUT)
 _MISMATCH = tl.constexpr(STATUS_MISMATCH)
@@ -50,12 +55,58 @@ _CTL_TIMEOUT = tl.constexpr(CTL_TIMEOUT)
 _MISMATCH_AFTER_NS = tl.constexpr(20_000)
 
 
+# --- shared by both paths ------------------------------------------------------------------------
+
+def _pack_rows(po, lse, dst16, dst32, dst_row, rmask, tok, head, c_off, cmask,
+               s_po_b, s_po_h, s_lse_b, s_lse_h, ROW: tl.constexpr, D: tl.constexpr):
+    """Store rows (token, head) of the input as packed rows: D values, then the fp32 LSE."""
+    vals = tl.load(po + tok[:, None] * s_po_b + head[:, None] * s_po_h + c_off[None, :],
+                   mask=rmask[:, None] & cmask[None, :])
+    lv = tl.load(lse + tok * s_lse_b + head * s_lse_h, mask=rmask).to(tl.float32)
+    tl.store(dst16 + dst_row[:, None] * ROW + c_off[None, :], vals.to(tl.int16, bitcast=True),
+             mask=rmask[:, None] & cmask[None, :])
+    tl.store(dst32 + (dst_row * ROW + D) // 2, lv, mask=rmask)
+
+
+def _combine_rows(src16, src32, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse,
+                  log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr,
+                  ROW: tl.constexpr, D: tl.constexpr):
+    """LSE-weighted combine of the packed rows of N sources (source s at row0 + s * src_stride).
+
+    NaN and +inf LSEs count as -inf; a source of weight 0 contributes nothing even if its values
+    are NaN or inf; where every source is empty the result is 0 and the LSE -inf.
+    """
+    out_ty = y_ptrs.dtype.element_ty
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in tl.static_range(N):
+        lv = tl.load(src32 + ((row0 + s * src_stride) * ROW + D) // 2, mask=rmask, other=float("-inf"))
+        lv = tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
+        m = tl.maximum(m, lv)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    wsum = tl.full([BLOCK_R], 0.0, tl.float32)
+    acc = tl.full([BLOCK_R, DP], 0.0, tl.float32)
+    omask = rmask[:, None] & cmask[None, :]
+    for s in tl.static_range(N):
+        row = row0 + s * src_stride
+        lv = tl.load(src32 + (row * ROW + D) // 2, mask=rmask, other=float("-inf"))
+        lv = tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
+        w = tl.exp2((lv - m) * log2_scale)
+        ov = tl.load(src16 + row[:, None] * ROW + c_off[None, :], mask=omask, other=0)
+        acc += tl.where(w[:, None] > 0, w[:, None] * ov.to(out_ty, bitcast=True).to(tl.float32), 0.0)
+        wsum += w
+    tl.store(y_ptrs, tl.where(wsum[:, None] > 0, acc / wsum[:, None], 0.0).to(out_ty), mask=omask)
+    if write_lse != 0:
+        tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
+
+
+# --- the fused kernel ----------------------------------------------------------------------------
+
 def lse_alltoall_kernel(
     po, lse, y, y_lse, ctl,
     n_tokens, rank,
     s_po_b, s_po_h, s_lse_b, s_lse_h, s_y_b, s_y_h, s_yl_b, s_yl_h,
     write_lse, log2_scale,
-    N: tl.constexpr, NP2: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    N: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
     FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, ALIGNED: tl.constexpr,
 ):
@@ -78,10 +129,8 @@ def lse_alltoall_kernel(
         r_off = tl.arange(0, BLOCK_R)
         c_off = tl.arange(0, DP)
         cmask = c_off < D
-        out_ty = y.dtype.element_ty
 
-        # Push: pack each tile for every destination straight into its receive slot, then one
-        # release store per destination publishes the tile.
+        # Push: pack each tile for every destination straight into its receive slot, then publish.
         t = pid
         while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
             rows = t * BLOCK_R + r_off
@@ -92,15 +141,9 @@ def lse_alltoall_kernel(
             flag_idx = ((slot * N + rank) * TILES_MAX + t) * 2
             for d in tl.static_range(N):
                 base = tl.load(ctl + d)
-                head = d * HN + hh
-                vals = tl.load(po + tok[:, None] * s_po_b + head[:, None] * s_po_h + c_off[None, :],
-                               mask=rmask[:, None] & cmask[None, :])
-                lv = tl.load(lse + tok * s_lse_b + head * s_lse_h, mask=rmask).to(tl.float32)
-                recv16 = tl.multiple_of((base + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
-                recv32 = (base + RECV_OFF).to(tl.pointer_type(tl.float32))
-                tl.store(recv16 + dst_row[:, None] * ROW + c_off[None, :], vals.to(tl.int16, bitcast=True),
-                         mask=rmask[:, None] & cmask[None, :])
-                tl.store(recv32 + (dst_row * ROW + D) // 2, lv, mask=rmask)
+                _pack_rows(po, lse, tl.multiple_of((base + RECV_OFF).to(tl.pointer_type(tl.int16)), 16),
+                           (base + RECV_OFF).to(tl.pointer_type(tl.float32)), dst_row, rmask, tok,
+                           d * HN + hh, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, ROW, D)
                 tl.store((base + FLAG_OFF).to(tl.pointer_type(tl.int32)) + flag_idx + 1, n_tokens)
             # Fence pattern: all threads' stores, a CTA barrier, one system-scope fence, then
             # relaxed flag stores to every peer at once (no serialized release per peer).
@@ -112,13 +155,12 @@ def lse_alltoall_kernel(
 
         # Wait and combine: a bounded spin on the tile's flags from every source (relaxed loads,
         # then one fence: the acquire pattern). The B carried with each flag exposes ranks that
-        # entered the call with different sizes; tile 0's B is checked too, since a sender with
-        # fewer tokens never publishes the tiles it does not have.
+        # entered the call with different sizes.
         flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int32))
         recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
         recv32 = (local + RECV_OFF).to(tl.pointer_type(tl.float32))
         t = pid
-        while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
+        while t < n_tiles:
             start = _now(e)
             code = 0
             while code == 0:
@@ -131,7 +173,7 @@ def lse_alltoall_kernel(
                 late = (_now(e) - start) > timeout
                 code = tl.where(n_arrived == N, -1, tl.where(late, _TIMEOUT, 0))
                 # A size mismatch shows as tile 0 arriving with another B while this tile never
-                # does; look only once the wait is not short (each look costs fences).
+                # does (the sender has fewer tiles); look only once the wait is not short.
                 if (n_first > 0) & (code == 0) & ((_now(e) - start) > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
                         src_flags = flags + (slot * N + s) * TILES_MAX * 2
@@ -153,34 +195,14 @@ def lse_alltoall_kernel(
             hh = rows % HN
             y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
             yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
-            omask = rmask[:, None] & cmask[None, :]
             if code < 0:
-                m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-                for s in tl.static_range(N):
-                    src_row = ((slot * N + s) * ROWS_MAX + rows).to(tl.int64)
-                    lv = tl.load(recv32 + (src_row * ROW + D) // 2, mask=rmask, other=float("-inf"))
-                    lv = tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
-                    m = tl.maximum(m, lv)
-                m = tl.where(m == float("-inf"), 0.0, m)
-                wsum = tl.full([BLOCK_R], 0.0, tl.float32)
-                acc = tl.full([BLOCK_R, DP], 0.0, tl.float32)
-                for s in tl.static_range(N):
-                    src_row = ((slot * N + s) * ROWS_MAX + rows).to(tl.int64)
-                    lv = tl.load(recv32 + (src_row * ROW + D) // 2, mask=rmask, other=float("-inf"))
-                    lv = tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
-                    w = tl.exp2((lv - m) * log2_scale)
-                    ov = tl.load(recv16 + src_row[:, None] * ROW + c_off[None, :], mask=omask, other=0)
-                    ov = ov.to(out_ty, bitcast=True).to(tl.float32)
-                    acc += tl.where(w[:, None] > 0, w[:, None] * ov, 0.0)
-                    wsum += w
-                res = tl.where(wsum[:, None] > 0, acc / wsum[:, None], 0.0)
-                tl.store(y_ptrs, res.to(out_ty), mask=omask)
-                if write_lse != 0:
-                    lse_out = tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf"))
-                    tl.store(yl_ptrs, lse_out, mask=rmask)
+                _combine_rows(recv16, recv32, (slot * N * ROWS_MAX + rows).to(tl.int64), ROWS_MAX,
+                              y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
+                              N, BLOCK_R, DP, ROW, D)
             else:
                 # Never leave stale rows behind: what could not be combined reads as NaN.
-                tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(out_ty), mask=omask)
+                tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(y.dtype.element_ty),
+                         mask=rmask[:, None] & cmask[None, :])
                 if write_lse != 0:
                     tl.store(yl_ptrs, tl.full([BLOCK_R], float("nan"), tl.float32), mask=rmask)
                 tl.store(status + 1, e)
@@ -205,7 +227,50 @@ def lse_alltoall_kernel(
             tl.store(state, e % _PERIOD)
 
 
-# --- helpers, one set per execution mode ---------------------------------------------------------
+# --- the NCCL reference path ---------------------------------------------------------------------
+
+def pack_kernel(po, lse, send, n_tokens, s_po_b, s_po_h, s_lse_b, s_lse_h,
+                N: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                ROW: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pack the chunk of every destination d into send[d, :B * HN] (rows of ROW int16)."""
+    if ALIGNED:
+        s_po_b = s_po_b * 8
+        s_po_h = s_po_h * 8
+    t = tl.program_id(0)
+    n_rows = n_tokens * HN
+    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    c_off = tl.arange(0, DP)
+    send16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16)
+    send32 = send.to(tl.pointer_type(tl.float32), bitcast=True)
+    for d in tl.static_range(N):
+        _pack_rows(po, lse, send16, send32, (d * n_rows + rows).to(tl.int64), rmask,
+                   (rows // HN).to(tl.int64), d * HN + rows % HN, c_off, c_off < D,
+                   s_po_b, s_po_h, s_lse_b, s_lse_h, ROW, D)
+
+
+def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write_lse, log2_scale,
+                   N: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                   ROW: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
+    """Combine recv[s, :B * HN] over the N sources into this rank's head chunk."""
+    if ALIGNED:
+        s_y_b = s_y_b * 8
+        s_y_h = s_y_h * 8
+    t = tl.program_id(0)
+    n_rows = n_tokens * HN
+    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    c_off = tl.arange(0, DP)
+    tok = (rows // HN).to(tl.int64)
+    hh = rows % HN
+    _combine_rows(tl.multiple_of(recv.to(tl.pointer_type(tl.int16), bitcast=True), 16),
+                  recv.to(tl.pointer_type(tl.float32), bitcast=True), rows.to(tl.int64), n_rows,
+                  y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :],
+                  y_lse + tok * s_yl_b + hh * s_yl_h, rmask, c_off, c_off < D, write_lse, log2_scale,
+                  N, BLOCK_R, DP, ROW, D)
+
+
+# --- helpers that differ by execution mode -------------------------------------------------------
 
 def _load_relaxed_gpu(ptr):
     return tl.inline_asm_elementwise("ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", [ptr],
@@ -251,33 +316,48 @@ def _pause_cpu():
     os.sched_yield()
 
 
-_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause")
+_MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause")
+_SHARED_HELPERS = (_pack_rows, _combine_rows)
 _INT_ARGS = ["n_tokens", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]
-_built = {}
+_built: dict = {}
 
 
-def build_lse_alltoall(interpret: bool):
-    """The kernel for CUDA tensors (compiled) or CPU tensors (Triton's interpreter).
+def build_kernels(interpret: bool) -> types.SimpleNamespace:
+    """The kernels for CUDA tensors (compiled) or CPU tensors (Triton's interpreter).
 
-    Built from one source with mode-specific helpers bound into its globals, so that the choice
-    does not depend on ``TRITON_INTERPRET`` at import time.
+    Built from one source with helpers bound into their globals per mode, so that the choice does
+    not depend on ``TRITON_INTERPRET`` at import time (Triton fixes it when ``jit`` decorates).
     """
     if interpret in _built:
         return _built[interpret]
     from triton.runtime.interpreter import InterpretedFunction
 
-    suffix = "_cpu" if interpret else "_gpu"
     scope = dict(globals())
-    for name in _HELPERS:
-        helper = globals()[name + suffix]
-        helper = types.FunctionType(helper.__code__, scope, name)
+
+    def rebind(fn, name):
+        copy = types.FunctionType(fn.__code__, scope, name)
+        copy.__annotations__ = dict(fn.__annotations__)  # constexpr parameters
+        copy.__module__, copy.__qualname__ = __name__, name
+        return copy
+
+    def wrap(fn, **kwargs):
+        return InterpretedFunction(fn, **kwargs) if interpret else triton.jit(fn, **kwargs)
+
+    suffix = "_cpu" if interpret else "_gpu"
+    for name in _MODE_HELPERS:
+        helper = rebind(globals()[name + suffix], name)
         scope[name] = helper if interpret else triton.jit(helper)
-    fn = types.FunctionType(lse_alltoall_kernel.__code__, scope, "lse_alltoall_kernel")
-    fn.__annotations__ = dict(lse_alltoall_kernel.__annotations__)  # constexpr parameters
-    fn.__module__ = __name__
-    fn.__qualname__ = "lse_alltoall_kernel"
-    kwargs = dict(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=["lse", "y_lse", "ctl"])
-    kernel = InterpretedFunction(fn, **kwargs) if interpret else triton.jit(fn, **kwargs)
-    _built[interpret] = kernel
-    return kernel
+    for fn in _SHARED_HELPERS:
+        helper = rebind(fn, fn.__name__)
+        scope[fn.__name__] = helper if interpret else triton.jit(helper)
+    kernels = types.SimpleNamespace(
+        fused=wrap(rebind(lse_alltoall_kernel, "lse_alltoall_kernel"), do_not_specialize=_INT_ARGS,
+                   do_not_specialize_on_alignment=["lse", "y_lse", "ctl"]),
+        pack=wrap(rebind(pack_kernel, "pack_kernel"), do_not_specialize=_INT_ARGS,
+                  do_not_specialize_on_alignment=["lse"]),
+        combine=wrap(rebind(combine_kernel, "combine_kernel"), do_not_specialize=_INT_ARGS,
+                     do_not_specialize_on_alignment=["y_lse"]),
+    )
+    _built[interpret] = kernels
+    return kernels

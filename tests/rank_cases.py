@@ -42,8 +42,10 @@ def _strided(t: torch.Tensor, heads_dim: int, pad: int = 3) -> torch.Tensor:
 
 def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", base_e: bool = True,
              return_lse: bool = True, use_out: bool = False, strided: bool = False,
-             special: bool = False, channel: int = 0) -> float:
-    """One call on fresh random inputs, checked against the float64 reference. Returns max error."""
+             special: bool = False, channel: int = 0, return_output: bool = False):
+    """One call on fresh random inputs, checked against the float64 reference.
+
+    Returns the max error, or with ``return_output`` the outputs themselves (on the CPU)."""
     comm: DcpAllToAll = state[key]
     rank, n, dev = comm.rank, comm.world, comm.device
     H, D, hn = comm.num_heads, comm.head_dim, comm.heads_per_rank
@@ -79,6 +81,8 @@ def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", bas
         assert torch.isfinite(yl[fin]).all()
         lerr = (yl[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
         assert lerr <= 1e-4 * (1 + ref_lse[fin].abs().max().item() if fin.any() else 1), f"LSE error {lerr}"
+    if return_output:
+        return y.cpu(), (y_lse.cpu() if return_lse else None)
     return err
 
 
@@ -255,3 +259,81 @@ def capture_before_warmup(state, key: str) -> str:
         assert "warmup" in str(exc)
         return str(exc)
     raise AssertionError("capture compiled a new variant instead of refusing")
+
+
+def auto_backend(state, device: str = "cpu", fail_setup_on: int = -1, other_host_on: int = -1,
+                 env_backend: str = "", backend=None) -> tuple:
+    """Construct with backend selection under injected faults; returns (backend, reason) after a
+    checked call, so every rank proves the chosen path works."""
+    from unittest import mock
+
+    import dcp.buffers
+    import dcp.comm
+
+    rank = dist.get_rank()
+    patches = []
+    if rank == fail_setup_on:
+        cls = dcp.buffers.HostShmProvider if device == "cpu" else dcp.buffers.CudaIpcProvider
+        real = cls.open
+
+        def failing(self, group, nbytes):
+            with mock.patch.object(cls, "_map", side_effect=OSError("injected failure")) if device == "cpu" \
+                    else mock.patch("dcp.cudart.malloc", side_effect=RuntimeError("injected failure")):
+                return real(self, group, nbytes)
+        patches.append(mock.patch.object(cls, "open", failing))
+    if rank == other_host_on:
+        patches.append(mock.patch.object(dcp.comm.socket, "gethostname", return_value="another-host"))
+    if env_backend:
+        patches.append(mock.patch.dict(os.environ, {"DCP_A2A_BACKEND": env_backend}))
+    for p in patches:
+        p.start()
+    try:
+        n = dist.get_world_size()
+        state["auto"] = DcpAllToAll(dist.group.WORLD, max_tokens=4, num_heads=2 * n, head_dim=16,
+                                    device=device, backend=backend)
+    finally:
+        for p in patches:
+            p.stop()
+    comm = state["auto"]
+    lse_case(state, "auto", 1234, B=3, special=True)
+    result = (comm.backend, comm.backend_reason)
+    state.pop("auto").close()
+    assert shm_segments() == [], "a fallback left shared memory behind"
+    return result
+
+
+class FakeCoordinator:
+    """What vLLM's GroupCoordinator offers the drop-in."""
+
+    def __init__(self):
+        self.device_group = dist.group.WORLD
+        self.world_size = dist.get_world_size()
+        self.rank_in_group = dist.get_rank()
+
+
+def vllm_dropin(state, seed: int, device: str = "cpu") -> float:
+    """The drop-in against the reference, through a fake coordinator: return_lse, base 2, B=0."""
+    from dcp import vllm
+
+    coord = FakeCoordinator()
+    n, rank = coord.world_size, coord.rank_in_group
+    H, D = 4 * n, 32
+    worst = 0.0
+    vllm.warmup(coord, H, D, torch.bfloat16, device)
+    for i, (B, base_e, ret) in enumerate([(1, True, False), (5, False, True), (300, True, True)]):
+        outs, lses = make_inputs(seed + i, n, B, H, D, torch.bfloat16, special=True)
+        res = vllm.dcp_a2a_lse_reduce(outs[rank].to(device), lses[rank].to(device), coord,
+                                      return_lse=ret, is_lse_base_on_e=base_e)
+        y, yl = res if ret else (res, None)
+        mine = slice(rank * H // n, (rank + 1) * H // n)
+        ref, ref_lse = lse_combine_reference([o[:, mine] for o in outs], [l[:, mine] for l in lses], base_e)
+        err = ((y.double().cpu() - ref).abs() / (1 + ref.abs())).max().item()
+        assert err <= TOL[torch.bfloat16], err
+        if ret:
+            assert torch.equal(torch.isneginf(yl.cpu()), torch.isneginf(ref_lse))
+        worst = max(worst, err)
+    empty = vllm.dcp_a2a_lse_reduce(torch.empty(0, H, D, dtype=torch.bfloat16, device=device),
+                                    torch.empty(0, H, device=device), dist.group.WORLD)
+    assert empty.shape == (0, H // n, D)
+    vllm.close_all()
+    return worst

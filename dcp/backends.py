@@ -1,0 +1,150 @@
+"""Transports behind ``DcpAllToAll``: the fused Triton push (``triton``) and the NCCL reference path.
+
+Both own all of their memory from construction on and run the same packing and combine code, so
+they give the same results; only how packed rows reach their destination differs.
+"""
+
+import ctypes
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kernels import CTL_STATUS, CTL_WORDS, STATUS_WORDS, build_kernels
+from dcp import cudart
+from dcp.buffers import SymmetricRegion, provider_for
+from dcp.protocol import ChannelLayout, raise_status, status_words
+
+_LOG2E = 1.4426950408889634
+
+
+def _quiet(fn):
+    """The interpreter also evaluates masked-off lanes (divide by zero, log of 0): harmless."""
+    def run(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+    return run
+
+
+def _launcher(kernel, grid, device: torch.device):
+    launch = kernel[grid]
+    return _quiet(launch) if device.type == "cpu" else launch
+
+
+class TritonTransport:
+    """One fused kernel per call pushing into peers' symmetric buffers (DESIGN section 3)."""
+
+    name = "triton"
+
+    def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
+                 channels: int, timeout_s: float, max_programs: int):
+        self.group, self.layout, self.device, self.max_programs = group, layout, device, max_programs
+        self.rank = dist.get_rank(group)
+        self.kernels = build_kernels(interpret=device.type == "cpu")
+        self.regions: list[SymmetricRegion] = []
+        self.status_addr, self._status_keep = 0, None
+        provider = provider_for(device)
+        self.provider = provider.name
+        try:
+            for _ in range(channels):
+                self.regions.append(provider.open(group, layout.nbytes))
+            self._alloc_status(channels)
+            self.ctl = []
+            for c, region in enumerate(self.regions):
+                words = list(region.peers) + [0] * (CTL_STATUS - layout.world)
+                words += [self.status_addr + 4 * STATUS_WORDS * c, int(timeout_s * 1e9)]
+                self.ctl.append(torch.tensor(words[:CTL_WORDS], dtype=torch.int64, device=device))
+        except BaseException:
+            self.close()
+            raise
+
+    def _alloc_status(self, channels: int) -> None:
+        nbytes = 4 * STATUS_WORDS * channels
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                self.status_addr = cudart.host_alloc_mapped(nbytes)
+        else:
+            self._status_keep = ctypes.create_string_buffer(nbytes)
+            self.status_addr = ctypes.addressof(self._status_keep)
+
+    def launch(self, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, aligned) -> None:
+        n_tiles = -(-n_tokens * self.layout.heads_per_rank // self.layout.block_rows)
+        grid = (max(1, min(n_tiles, self.max_programs)),)
+        div = 8 if aligned else 1
+        _launcher(self.kernels.fused, grid, self.device)(
+            po, lse, y, y_lse, self.ctl[channel], n_tokens, self.rank,
+            po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1),
+            y.stride(0) // div, y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1),
+            int(write_lse), _LOG2E if base_e else 1.0,
+            ALIGNED=aligned, num_warps=4, **self.layout.constexprs())
+
+    def check(self, channels: int) -> None:
+        for c in range(channels):
+            raise_status(status_words(self.status_addr + 4 * STATUS_WORDS * c),
+                         self.layout.world, self.rank, c)
+
+    def poke_epoch(self, channel: int, epoch: int) -> None:
+        """Set a channel's device epoch (tests of the wrap-around); every rank must do the same."""
+        value = ctypes.c_int32(epoch)
+        addr = self.regions[channel].local
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                cudart.memcpy_htod(addr, ctypes.addressof(value), 4)
+        else:
+            ctypes.memmove(addr, ctypes.addressof(value), 4)
+
+    def memory_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def close(self) -> None:
+        for region in self.regions:
+            region.close()
+        self.regions = []
+        if self.status_addr and self.device.type == "cuda":
+            cudart.free_host(self.status_addr)
+        self.status_addr, self._status_keep = 0, None
+
+
+class NcclTransport:
+    """Pack kernel, the group's ``all_to_all_single``, combine kernel: three steps per call.
+
+    Its send and receive buffers are allocated here, once, so capture allocates nothing either.
+    On CPU the group's own all-to-all (gloo) serves.
+    """
+
+    name = "nccl"
+    provider = "process-group"
+
+    def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
+                 channels: int):
+        self.group, self.layout, self.device = group, layout, device
+        self.kernels = build_kernels(interpret=device.type == "cpu")
+        words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
+        self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
+        self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
+
+    def launch(self, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, aligned) -> None:
+        lay = self.layout
+        n_tiles = -(-n_tokens * lay.heads_per_rank // lay.block_rows)
+        div = 8 if aligned else 1
+        common = dict(N=lay.world, HN=lay.heads_per_rank, D=lay.head_dim, DP=lay.padded_dim,
+                      ROW=lay.row_elems, BLOCK_R=lay.block_rows, ALIGNED=aligned, num_warps=4)
+        used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
+        send, recv = self.send[channel][:used], self.recv[channel][:used]
+        _launcher(self.kernels.pack, (n_tiles,), self.device)(
+            po, lse, send, n_tokens, po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1),
+            **common)
+        dist.all_to_all_single(recv, send, group=self.group)
+        _launcher(self.kernels.combine, (n_tiles,), self.device)(
+            recv, y, y_lse, n_tokens, y.stride(0) // div, y.stride(1) // div,
+            y_lse.stride(0), y_lse.stride(-1), int(write_lse), _LOG2E if base_e else 1.0, **common)
+
+    def check(self, channels: int) -> None:
+        pass  # NCCL reports its own failures
+
+    def memory_bytes(self) -> int:
+        return 2 * self.send[0].numel() * 4
+
+    def close(self) -> None:
+        self.send, self.recv = [], []

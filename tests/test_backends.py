@@ -1,0 +1,49 @@
+"""Backend selection, the NCCL reference path and the vLLM drop-in (CPU tier)."""
+
+import pytest
+import torch
+
+from tests import rank_cases as rc
+from tests.conftest import fresh_seed
+
+
+@pytest.mark.parametrize("n", [2, 3, 6])
+def test_triton_and_nccl_agree(worlds, n):
+    w = worlds(n)
+    seed = fresh_seed()
+    outputs = {}
+    for backend in ("triton", "nccl"):
+        w.run(rc.make_comm, backend, max_tokens=4, num_heads=2 * n, head_dim=16, backend=backend)
+        outputs[backend] = [
+            w.run(rc.lse_case, backend, seed + i, return_output=True, **case)
+            for i, case in enumerate([dict(B=3, special=True), dict(B=9, base_e=False, strided=True)])]
+        w.run(rc.close_comm, backend)
+    for per_case_t, per_case_n in zip(outputs["triton"], outputs["nccl"]):
+        for (yt, lt), (yn, ln) in zip(per_case_t, per_case_n):
+            assert torch.equal(yt, yn)
+            assert (lt is None) == (ln is None) and (lt is None or torch.equal(lt, ln))
+
+
+def test_auto_picks_triton_on_one_host(worlds):
+    res = worlds(3).run(rc.auto_backend)
+    assert all(r[0] == "triton" for r in res), res
+
+
+def test_auto_falls_back_together_when_one_rank_setup_fails(worlds):
+    res = worlds(3).run(rc.auto_backend, fail_setup_on=1)
+    assert all(r[0] == "nccl" and "injected failure" in r[1] for r in res), res
+
+
+def test_auto_falls_back_together_across_hosts(worlds):
+    res = worlds(3).run(rc.auto_backend, other_host_on=2)
+    assert all(r[0] == "nccl" and "hosts" in r[1] for r in res), res
+
+
+def test_env_overrides_the_default(worlds):
+    res = worlds(2).run(rc.auto_backend, env_backend="nccl")
+    assert all(r == ("nccl", "requested") for r in res), res
+
+
+def test_vllm_dropin_with_a_group_coordinator(worlds):
+    errs = worlds(3).run(rc.vllm_dropin, fresh_seed())
+    assert all(e <= rc.TOL[torch.bfloat16] for e in errs)
