@@ -3,7 +3,9 @@
 import logging
 import os
 import socket
-from typing import Optional, Union
+import threading
+from datetime import timedelta
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -286,6 +288,33 @@ class DcpAllToAll:
             torch.cuda.current_stream(self.device).synchronize()
         self._transport.check(self.channels)
 
+    def start_watchdog(self, interval_s: float = 1.0,
+                       on_error: Optional[Callable[[DcpError], None]] = None) -> None:
+        """Check the status words from a background thread every ``interval_s`` seconds.
+
+        Never synchronizes the device. On a recorded failure it calls ``on_error(exc)`` (default:
+        log the error), so a server can fail the affected requests instead of serving NaN rows.
+        """
+        self._check_open()
+        self.stop_watchdog()
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self._transport.check(self.channels)
+                except DcpError as exc:
+                    (on_error or (lambda e: log.error("DCP all-to-all watchdog: %s", e)))(exc)
+
+        self._watchdog = (stop, threading.Thread(target=watch, name="dcp-a2a-watchdog", daemon=True))
+        self._watchdog[1].start()
+
+    def stop_watchdog(self) -> None:
+        watchdog, self._watchdog = getattr(self, "_watchdog", None), None
+        if watchdog is not None:
+            watchdog[0].set()
+            watchdog[1].join()
+
     def memory_bytes(self) -> dict:
         """Bytes of persistent buffers this rank holds, per channel and in total."""
         per = self._transport.memory_bytes()
@@ -301,10 +330,14 @@ class DcpAllToAll:
         if self._closed:
             return
         self._closed = True
+        self.stop_watchdog()
         try:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            dist.barrier(self.group)  # no peer still writes into our buffers
+            # No peer still writes into our buffers; bounded, so that a dead peer cannot hang us.
+            dist.barrier(self.group, async_op=True).wait(timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            log.warning("DcpAllToAll.close: barrier with peers failed (%s); releasing local buffers", exc)
         finally:
             self._transport.close()
 

@@ -161,6 +161,8 @@ def lse_alltoall_kernel(
         recv32 = (local + RECV_OFF).to(tl.pointer_type(tl.float32))
         t = pid
         while t < n_tiles:
+            # Once a program of this call has given up, the others give up at once too.
+            timeout = tl.where(_call_failed(status, e), 0, timeout).to(tl.int64)
             start = _now(e)
             code = 0
             while code == 0:
@@ -205,17 +207,18 @@ def lse_alltoall_kernel(
                          mask=rmask[:, None] & cmask[None, :])
                 if write_lse != 0:
                     tl.store(yl_ptrs, tl.full([BLOCK_R], float("nan"), tl.float32), mask=rmask)
-                tl.store(status + 1, e)
-                tl.store(status + 2, t)
-                tl.store(status + 3, n_tokens)
-                for s in tl.static_range(N):
-                    src_flags = flags + (slot * N + s) * TILES_MAX * 2
-                    got = _load_relaxed(src_flags + t * 2) == e
-                    got_first = _load_relaxed(src_flags) == e
-                    tl.store(status + 4 + s, (~got).to(tl.int32))
-                    tl.store(status + 12 + s, tl.where(got, _load_relaxed(src_flags + t * 2 + 1),
-                                                      tl.where(got_first, _load_relaxed(src_flags + 1), -1)))
-                tl.store(status, code)
+                if tl.load(status, volatile=True) == 0:  # keep the first failure until reported
+                    tl.store(status + 1, e)
+                    tl.store(status + 2, t)
+                    tl.store(status + 3, n_tokens)
+                    for s in tl.static_range(N):
+                        src_flags = flags + (slot * N + s) * TILES_MAX * 2
+                        got = _load_relaxed(src_flags + t * 2) == e
+                        got_first = _load_relaxed(src_flags) == e
+                        tl.store(status + 4 + s, (~got).to(tl.int32))
+                        tl.store(status + 12 + s, tl.where(got, _load_relaxed(src_flags + t * 2 + 1),
+                                                          tl.where(got_first, _load_relaxed(src_flags + 1), -1)))
+                    tl.store(status, code)
             # After one failed wait the call is lost: later tiles look once and give up.
             timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
             t += G
@@ -296,6 +299,10 @@ def _pause_gpu():
     pass
 
 
+def _call_failed_gpu(status, e):
+    return e != e  # programs wait concurrently on a GPU: no need to read host memory per tile
+
+
 def _load_relaxed_cpu(ptr):
     return tl.load(ptr, volatile=True)
 
@@ -316,7 +323,12 @@ def _pause_cpu():
     os.sched_yield()
 
 
-_MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause")
+def _call_failed_cpu(status, e):
+    # The interpreter runs programs one after another: without this, each would wait the timeout.
+    return (tl.load(status, volatile=True) != 0) & (tl.load(status + 1, volatile=True) == e)
+
+
+_MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
 _SHARED_HELPERS = (_pack_rows, _combine_rows)
 _INT_ARGS = ["n_tokens", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]
