@@ -337,3 +337,115 @@ def vllm_dropin(state, seed: int, device: str = "cpu") -> float:
     assert empty.shape == (0, H // n, D)
     vllm.close_all()
     return worst
+
+
+def set_epoch(state, key: str, channel: int, epoch: int) -> None:
+    """Move a channel's device epoch (every rank alike), e.g. just below the wrap."""
+    state[key]._transport.poke_epoch(channel, epoch)
+
+
+def channel_mix(state, key: str, seed: int, pattern: list) -> int:
+    """Calls on several channels in an interleaving that leaves their epochs different."""
+    for i, ch in enumerate(pattern):
+        lse_case(state, key, seed + i, B=1 + (i % 3), channel=ch, special=i % 2 == 0)
+    return len(pattern)
+
+
+def exit_now(state) -> None:
+    os._exit(17)  # abrupt: no close, no goodbye
+
+
+def expect_timeout(state, key: str, B: int = 2) -> dict:
+    """A call whose peers never come: DcpTimeoutError naming them, within the timeout + margin."""
+    import time
+
+    from dcp import DcpTimeoutError
+
+    comm: DcpAllToAll = state[key]
+    po = torch.randn(B, comm.num_heads, comm.head_dim).to(comm.dtype).to(comm.device)
+    pl = torch.randn(B, comm.num_heads, device=comm.device)
+    out = torch.zeros(B, comm.heads_per_rank, comm.head_dim, dtype=comm.dtype, device=comm.device)
+    t0 = time.monotonic()
+    try:
+        comm.lse_reduce(po, pl, out=out, check=True)
+    except DcpTimeoutError as exc:
+        elapsed = time.monotonic() - t0
+        assert torch.isnan(out.float()).all(), "rows that could not be combined must read as NaN"
+        return {"elapsed": elapsed, "missing": exc.missing_ranks, "message": str(exc)}
+    raise AssertionError("a call with absent peers returned without DcpTimeoutError")
+
+
+def expect_mismatch(state, key: str, B: int) -> str:
+    from dcp import DcpMismatchError
+
+    comm: DcpAllToAll = state[key]
+    po = torch.randn(B, comm.num_heads, comm.head_dim).to(comm.dtype).to(comm.device)
+    pl = torch.randn(B, comm.num_heads, device=comm.device)
+    try:
+        comm.lse_reduce(po, pl, check=True)
+    except DcpMismatchError as exc:
+        return str(exc)
+    raise AssertionError("ranks with different B were not told")
+
+
+def watchdog_sees_timeout(state, key: str) -> str:
+    """Only this rank calls (check off); the background watchdog must report the timeout."""
+    import threading
+
+    comm: DcpAllToAll = state[key]
+    seen = threading.Event()
+    errors = []
+    comm.start_watchdog(0.05, lambda exc: (errors.append(str(exc)), seen.set()))
+    po = torch.randn(1, comm.num_heads, comm.head_dim).to(comm.dtype).to(comm.device)
+    comm.lse_reduce(po, torch.randn(1, comm.num_heads, device=comm.device), check=False)
+    assert seen.wait(10), "the watchdog did not report the timed-out call"
+    comm.stop_watchdog()
+    return errors[0]
+
+
+def _resources() -> dict:
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    return {"fds": len(os.listdir("/proc/self/fd")), "maps": maps, "shm": len(shm_segments())}
+
+
+def construct_close_loop(state, times: int, device: str = "cpu") -> tuple:
+    """Construct and close ``times`` communicators: descriptors, mappings and segments must not grow."""
+    n = dist.get_world_size()
+    DcpAllToAll(dist.group.WORLD, max_tokens=8, num_heads=2 * n, head_dim=64, device=device).close()
+    before = _resources()
+    mem0 = torch.cuda.memory_allocated() if device == "cuda" else 0
+    for _ in range(times):
+        with DcpAllToAll(dist.group.WORLD, max_tokens=8, num_heads=2 * n, head_dim=64, device=device,
+                         channels=2):
+            pass
+    after = _resources()
+    mem1 = torch.cuda.memory_allocated() if device == "cuda" else 0
+    assert after == before and mem1 == mem0, (before, after, mem0, mem1)
+    return before, after
+
+
+def soak(state, key: str, seed: int, calls: int, check_every: int) -> dict:
+    """Many calls, random B per call (the same on every rank), both channels, sampled checks."""
+    import random
+    import time
+
+    comm: DcpAllToAll = state[key]
+    rnd = random.Random(seed)
+    dev, rank, n = comm.device, comm.rank, comm.world
+    H, D, hn = comm.num_heads, comm.head_dim, comm.heads_per_rank
+    outs, lses = make_inputs(seed, n, 2 * comm.max_tokens, H, D, comm.dtype, special=True)
+    po_all, pl_all = outs[rank].to(dev), lses[rank].to(dev)
+    checked, t0 = 0, time.monotonic()
+    for i in range(calls):
+        B = rnd.randint(1, 2 * comm.max_tokens)
+        ch = rnd.randrange(comm.channels)
+        y = comm.lse_reduce(po_all[:B], pl_all[:B], channel=ch, check=False)
+        if i % check_every == 0:
+            mine = slice(rank * hn, (rank + 1) * hn)
+            ref, _ = lse_combine_reference([o[:B, mine] for o in outs], [l[:B, mine] for l in lses])
+            err = ((y.double().cpu() - ref).abs() / (1 + ref.abs())).max().item()
+            assert err <= TOL[comm.dtype], f"call {i}: error {err}"
+            checked += 1
+    comm.check(synchronize=True)
+    return {"calls": calls, "checked": checked, "seconds": time.monotonic() - t0}

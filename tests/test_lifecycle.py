@@ -1,0 +1,80 @@
+"""Channels, epochs across the wrap, timeouts, peer death, mismatched calls, leaks, soak (CPU tier)."""
+
+import pytest
+
+from dcp.spawn import World
+from kernels import EPOCH_PERIOD
+from tests import rank_cases as rc
+from tests.conftest import fresh_seed
+
+SHORT_TIMEOUT_S = 2.0
+
+
+def test_channels_are_independent_and_odd_call_counts_keep_parity(worlds):
+    w = worlds(3)
+    w.run(rc.make_comm, "ch", max_tokens=4, num_heads=6, head_dim=16, channels=2)
+    # 3 calls on channel 0 for every 1 on channel 1, then the other way round: the two epochs
+    # (and slot parities) drift apart while each channel stays correct.
+    w.run(rc.channel_mix, "ch", fresh_seed(), [0, 0, 0, 1, 1, 0, 1, 1, 1])
+    w.run(rc.close_comm, "ch")
+
+
+def test_epoch_wraps_around(worlds):
+    w = worlds(3)
+    w.run(rc.make_comm, "wrap", max_tokens=4, num_heads=6, head_dim=16, channels=2)
+    w.run(rc.set_epoch, "wrap", 0, EPOCH_PERIOD - 3)
+    w.run(rc.set_epoch, "wrap", 1, EPOCH_PERIOD - 2)
+    # 7 calls: channel 0 crosses the wrap after 3 calls, channel 1 after 2, on both slots
+    w.run(rc.channel_mix, "wrap", fresh_seed(), [0, 1, 0, 1, 0, 0, 1])
+    w.run(rc.close_comm, "wrap")
+
+
+def test_absent_peers_time_out_naming_them(worlds):
+    w = worlds(3)
+    w.run(rc.make_comm, "to", max_tokens=4, num_heads=6, head_dim=16, timeout_s=SHORT_TIMEOUT_S)
+    res = w.run(rc.expect_timeout, "to", ranks=[0], timeout=120)[0]
+    assert res["missing"] == [1, 2] and "[1, 2]" in res["message"]
+    assert res["elapsed"] < SHORT_TIMEOUT_S + 5
+    msg = w.run(rc.watchdog_sees_timeout, "to", ranks=[0], timeout=120)[0]
+    assert "timed out" in msg
+    w.run(rc.close_comm, "to")  # the ranks' epochs now differ: a broken communicator is closed
+
+
+def test_peer_death_is_reported_and_survivors_close():
+    w = World(3)
+    try:
+        w.run(rc.make_comm, "dead", max_tokens=4, num_heads=6, head_dim=16, timeout_s=SHORT_TIMEOUT_S)
+        w.conns[2].send((rc.exit_now.__module__, "exit_now", (), {}))
+        w.procs[2].join(30)
+        assert w.procs[2].exitcode == 17
+        res = w.run(rc.expect_timeout, "dead", ranks=[0, 1], timeout=120)
+        for r in res:
+            assert 2 in r["missing"] and r["elapsed"] < SHORT_TIMEOUT_S + 5, r
+        w.run(rc.close_comm, "dead", ranks=[0, 1], timeout=120)
+        assert w.run(rc.shm_segments, ranks=[0]) == [[]]
+    finally:
+        w.close(timeout=30)
+
+
+def test_ranks_with_different_sizes_are_told(worlds):
+    w = worlds(3)
+    w.run(rc.make_comm, "mm", max_tokens=4, num_heads=6, head_dim=16, timeout_s=SHORT_TIMEOUT_S)
+    for r, B in enumerate([3, 2, 3]):
+        w.conns[r].send((rc.expect_mismatch.__module__, "expect_mismatch", ("mm", B), {}))
+    msgs = w._collect(range(3), 120)
+    assert all("different token counts" in m for m in msgs), msgs
+    w.run(rc.close_comm, "mm")
+
+
+def test_construct_close_50_times_leaks_nothing(worlds):
+    res = worlds(2).run(rc.construct_close_loop, 50, timeout=300)
+    assert all(before == after for before, after in res)
+
+
+def test_soak_random_sizes_both_channels_across_the_wrap(worlds):
+    w = worlds(3)
+    w.run(rc.make_comm, "soak", max_tokens=4, num_heads=6, head_dim=16, channels=2)
+    w.run(rc.set_epoch, "soak", 0, EPOCH_PERIOD - 20)
+    res = w.run(rc.soak, "soak", fresh_seed(), calls=150, check_every=5, timeout=600)
+    assert all(r["calls"] == 150 and r["checked"] == 30 for r in res)
+    w.run(rc.close_comm, "soak")
