@@ -123,6 +123,7 @@ def main(argv=None) -> None:
     rows = []
     device = "cuda" if cuda else "cpu"
     seed = int.from_bytes(os.urandom(4), "little")
+    mps_on = cuda and (args.mps or bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")))
     with mps_daemon(args.mps and cuda):
         for n in args.world_size:
             shared = gpus < n
@@ -138,7 +139,7 @@ def main(argv=None) -> None:
                             fb = floor_bytes(n, B, args.heads_per_rank, d, shared)
                             floor_us = fb / rate * 1e6 if cuda else float("nan")
                             row = dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0,
-                                       mps=bool(args.mps and cuda), head_dim=d,
+                                       mps=mps_on, head_dim=d,
                                        heads_per_rank=args.heads_per_rank, B=B, mode=mode, backend="triton",
                                        size_bytes=size, **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
                                        algbw_GBps=size / worst["median_us"] / 1e3,

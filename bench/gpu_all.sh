@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The whole GPU tier and a benchmark pass in one call (for the lent H200); prints a short table last.
-# Usage: bash bench/gpu_all.sh [extra python -m bench arguments]
+# Runs under the CUDA MPS daemon (started here, stopped on exit) so that rank processes sharing one
+# GPU run concurrently. Usage: bash bench/gpu_all.sh [extra `python -m bench` arguments]
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/dcp-gpu}"
 mkdir -p "$OUT"
+export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
+nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
-python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA --timeout 900 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -40
-python3 -m bench --mps --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA -s --timeout 900 ${PYTEST_ARGS:-} 2>&1 \
+  | tee "$OUT/gpu_tests.log" | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^soak|Error:|assert" | tail -40
+python3 -m bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40

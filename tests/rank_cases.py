@@ -371,6 +371,8 @@ def expect_timeout(state, key: str, B: int = 2) -> dict:
     except DcpTimeoutError as exc:
         elapsed = time.monotonic() - t0
         assert torch.isnan(out.float()).all(), "rows that could not be combined must read as NaN"
+        if comm.device.type == "cuda":  # the context is still usable: no trap killed it
+            assert torch.ones(4, device=comm.device).sum().item() == 4
         return {"elapsed": elapsed, "missing": exc.missing_ranks, "message": str(exc)}
     raise AssertionError("a call with absent peers returned without DcpTimeoutError")
 
@@ -409,19 +411,25 @@ def _resources() -> dict:
     return {"fds": len(os.listdir("/proc/self/fd")), "maps": maps, "shm": len(shm_segments())}
 
 
-def construct_close_loop(state, times: int, device: str = "cpu") -> tuple:
-    """Construct and close ``times`` communicators: descriptors, mappings and segments must not grow."""
+def construct_close_loop(state, times: int, device: str = "cpu", max_tokens: int = 8,
+                         heads_per_rank: int = 2, head_dim: int = 64) -> tuple:
+    """Construct and close ``times`` communicators: descriptors, mappings, segments and device
+    memory must end where they started."""
     n = dist.get_world_size()
-    DcpAllToAll(dist.group.WORLD, max_tokens=8, num_heads=2 * n, head_dim=64, device=device).close()
-    before = _resources()
-    mem0 = torch.cuda.memory_allocated() if device == "cuda" else 0
+    make = lambda: DcpAllToAll(dist.group.WORLD, max_tokens=max_tokens, num_heads=heads_per_rank * n,
+                               head_dim=head_dim, device=device, channels=2)
+    make().close()
+    free = lambda: torch.cuda.mem_get_info()[0] if device == "cuda" else 0
+    dist.barrier()
+    before, free0 = _resources(), free()
+    per = 0
     for _ in range(times):
-        with DcpAllToAll(dist.group.WORLD, max_tokens=8, num_heads=2 * n, head_dim=64, device=device,
-                         channels=2):
-            pass
-    after = _resources()
-    mem1 = torch.cuda.memory_allocated() if device == "cuda" else 0
-    assert after == before and mem1 == mem0, (before, after, mem0, mem1)
+        with make() as comm:
+            per = comm.memory_bytes()["total"]
+    dist.barrier()
+    after, free1 = _resources(), free()
+    # device memory: a leak of even one communicator per iteration would show many times over
+    assert after == before and abs(free1 - free0) < max(per, 1 << 20) * n, (before, after, free0, free1)
     return before, after
 
 
@@ -449,3 +457,32 @@ def soak(state, key: str, seed: int, calls: int, check_every: int) -> dict:
             checked += 1
     comm.check(synchronize=True)
     return {"calls": calls, "checked": checked, "seconds": time.monotonic() - t0}
+
+
+def two_streams(state, key: str, seed: int, calls: int) -> float:
+    """Channel 0 driven from one stream and channel 1 from another, concurrently."""
+    comm: DcpAllToAll = state[key]
+    dev, rank, n, H, D, hn = comm.device, comm.rank, comm.world, comm.num_heads, comm.head_dim, comm.heads_per_rank
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    jobs = []
+    for ch in (0, 1):
+        for k in range(calls):
+            outs, lses = make_inputs(seed + 100 * ch + k, n, 2 + ch, H, D, comm.dtype, special=True)
+            jobs.append((ch, outs, lses, outs[rank].to(dev), lses[rank].to(dev),
+                         torch.full((2 + ch, hn, D), float("nan"), dtype=comm.dtype, device=dev)))
+    torch.cuda.synchronize()
+    for k in range(calls):  # interleave the issue order: both streams have work queued at once
+        for ch in (0, 1):
+            _, _, _, po, pl, y = jobs[ch * calls + k]
+            with torch.cuda.stream(streams[ch]):
+                comm.lse_reduce(po, pl, out=y, channel=ch)
+    torch.cuda.synchronize()
+    comm.check()
+    worst = 0.0
+    mine = slice(rank * hn, (rank + 1) * hn)
+    for ch, outs, lses, _, _, y in jobs:
+        ref, _ = lse_combine_reference([o[:, mine] for o in outs], [l[:, mine] for l in lses])
+        err = ((y.double().cpu() - ref).abs() / (1 + ref.abs())).max().item()
+        assert err <= TOL[comm.dtype], (ch, err)
+        worst = max(worst, err)
+    return worst

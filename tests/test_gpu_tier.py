@@ -1,7 +1,12 @@
 """GPU tier: N processes on one GPU (or one per GPU) sharing buffers by CUDA IPC."""
 
+import os
+
 import pytest
 import torch
+
+from dcp.spawn import World
+from kernels import EPOCH_PERIOD
 
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
@@ -62,3 +67,64 @@ def test_graphs_replayed_in_any_order(worlds, n):
     msgs = w.run(rc.capture_before_warmup, "graphs")
     assert all("warmup" in m for m in msgs)
     w.run(rc.close_comm, "graphs")
+
+
+def test_two_channels_from_two_streams_and_epoch_wrap(worlds):
+    for n in (3, 6):
+        w = worlds(n, "cuda")
+        w.run(rc.make_comm, "ch", device="cuda", max_tokens=8, num_heads=4 * n, head_dim=128, channels=2)
+        w.run(rc.set_epoch, "ch", 0, EPOCH_PERIOD - 3)
+        w.run(rc.set_epoch, "ch", 1, EPOCH_PERIOD - 4)
+        w.run(rc.two_streams, "ch", fresh_seed(), 6)  # both channels cross the wrap
+        w.run(rc.channel_mix, "ch", fresh_seed(), [0, 1, 1, 0, 0, 0, 1])
+        w.run(rc.close_comm, "ch")
+
+
+def test_timeouts_mismatch_and_watchdog_gpu(worlds):
+    w = worlds(3, "cuda")
+    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
+    for r, B in enumerate([3, 2, 3]):
+        w.conns[r].send((rc.expect_mismatch.__module__, "expect_mismatch", ("to", B), {}))
+    assert all("different token counts" in m for m in w._collect(range(3), 120))
+    w.run(rc.close_comm, "to")
+    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
+    res = w.run(rc.expect_timeout, "to", ranks=[0], timeout=120)[0]
+    assert res["missing"] == [1, 2] and res["elapsed"] < 1.0 + 2.0, res
+    assert "timed out" in w.run(rc.watchdog_sees_timeout, "to", ranks=[0], timeout=120)[0]
+    w.run(rc.close_comm, "to")
+
+
+def test_peer_death_gpu():
+    w = World(3, "cuda")
+    try:
+        w.run(rc.make_comm, "dead", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
+        w.conns[2].send((rc.exit_now.__module__, "exit_now", (), {}))
+        w.procs[2].join(30)
+        res = w.run(rc.expect_timeout, "dead", ranks=[0, 1], timeout=120)
+        assert all(2 in r["missing"] and r["elapsed"] < 1.0 + 2.0 for r in res), res
+        w.run(rc.close_comm, "dead", ranks=[0, 1], timeout=120)
+    finally:
+        w.close(timeout=30)
+
+
+def test_vllm_dropin_triton_gpu(worlds):
+    assert all(e <= rc.TOL[torch.bfloat16] for e in worlds(3, "cuda").run(rc.vllm_dropin, fresh_seed(),
+                                                                          device="cuda"))
+
+
+def test_construct_close_50_times_gpu(worlds):
+    worlds(3, "cuda").run(rc.construct_close_loop, 50, device="cuda", max_tokens=256, heads_per_rank=16,
+                          head_dim=512, timeout=600)
+
+
+def test_soak_gpu(worlds):
+    """100,000 calls under MPS (ranks run concurrently); a short soak when time-sliced."""
+    calls = 100_000 if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else 2_000
+    w = worlds(3, "cuda")
+    w.run(rc.make_comm, "soak", device="cuda", max_tokens=16, num_heads=48, head_dim=128, channels=2)
+    w.run(rc.set_epoch, "soak", 0, EPOCH_PERIOD - 1000)
+    w.run(rc.set_epoch, "soak", 1, EPOCH_PERIOD - 1001)
+    res = w.run(rc.soak, "soak", fresh_seed(), calls=calls, check_every=1000, timeout=900)
+    print("soak", res)
+    assert all(r["calls"] == calls for r in res)
+    w.run(rc.close_comm, "soak")
