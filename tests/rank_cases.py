@@ -486,3 +486,28 @@ def two_streams(state, key: str, seed: int, calls: int) -> float:
         assert err <= TOL[comm.dtype], (ch, err)
         worst = max(worst, err)
     return worst
+
+
+def readme_wiring(state, seed: int, readme_snippet: str) -> float:
+    """Run the README's wiring snippet against a stand-in vLLM module, then call through it."""
+    import sys
+    import types
+
+    names = ["vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops",
+             "vllm.v1.attention.ops.dcp_alltoall"]
+    for name in names:
+        sys.modules.setdefault(name, types.ModuleType(name))
+    target = sys.modules[names[-1]]
+    target.dcp_a2a_lse_reduce = lambda *a, **k: (_ for _ in ()).throw(AssertionError("vLLM's own ran"))
+    exec(readme_snippet, {})
+    from dcp import vllm
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    outs, lses = make_inputs(seed, n, 3, 2 * n, 16, torch.bfloat16)
+    y = target.dcp_a2a_lse_reduce(outs[rank], lses[rank], FakeCoordinator())
+    mine = slice(2 * rank, 2 * rank + 2)
+    ref, _ = lse_combine_reference([o[:, mine] for o in outs], [l[:, mine] for l in lses])
+    vllm.close_all()
+    for name in names:
+        del sys.modules[name]
+    return ((y.double() - ref).abs() / (1 + ref.abs())).max().item()
