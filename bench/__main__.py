@@ -41,7 +41,7 @@ def provenance(argv: list) -> dict:
         "command": " ".join(["python -m bench"] + argv),
         "host": platform.node(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "git_commit": _sh("git rev-parse --short HEAD"),
+        "git_commit": _sh("git rev-parse --short HEAD") or os.environ.get("DCP_GIT_COMMIT", "unknown"),
     }
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -110,10 +110,11 @@ def main(argv=None) -> None:
                    default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if cuda else [1, 4, 16])
     p.add_argument("--heads-per-rank", type=int, default=16 if cuda else 2)
     p.add_argument("--head-dim", type=int, nargs="+", default=[512, 128] if cuda else [64])
+    p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"])
     p.add_argument("--modes", nargs="+", default=["eager", "graph", "graph8"] if cuda else ["eager"])
     p.add_argument("--iters", type=int, default=200 if cuda else 5)
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
-    p.add_argument("--out", default="docs/results", help="folder for results.csv and results.json")
+    p.add_argument("--out", default="results", help="folder for results.csv and results.json")
     args = p.parse_args(argv)
 
     gpus = torch.cuda.device_count() if cuda else 0
@@ -127,32 +128,23 @@ def main(argv=None) -> None:
     with mps_daemon(args.mps and cuda):
         for n in args.world_size:
             shared = gpus < n
-            w = World(n, device)
+            w = World(n, device, pg_backend="gloo" if shared or not cuda else "nccl")
             try:
-                for d in args.head_dim:
-                    w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device)
-                    for B in args.batch:
-                        for mode in args.modes:
-                            res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
-                            worst = max(res, key=lambda r: r["median_us"])
-                            size = n * B * args.heads_per_rank * (d + 2) * 2
-                            fb = floor_bytes(n, B, args.heads_per_rank, d, shared)
-                            floor_us = fb / rate * 1e6 if cuda else float("nan")
-                            row = dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0,
-                                       mps=mps_on, head_dim=d,
-                                       heads_per_rank=args.heads_per_rank, B=B, mode=mode, backend="triton",
-                                       size_bytes=size, **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
-                                       algbw_GBps=size / worst["median_us"] / 1e3,
-                                       busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n,
-                                       floor_us=floor_us, floor_frac=floor_us / worst["median_us"],
-                                       host_us=max(r["host_us"] for r in res),
-                                       max_rel_err=max(r["max_rel_err"] for r in res),
-                                       nccl_us=float("nan"), speedup=float("nan"))
-                            rows.append(row)
-                            print(f"\r[{len(rows)}] N={n} D={d} B={B} {mode}: {row['median_us']:.1f} us",
-                                  end="", flush=True)
+                for backend in args.backends:
+                    if backend == "nccl" and cuda and shared:
+                        continue  # NCCL refuses two ranks on one GPU
+                    for d in args.head_dim:
+                        w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend)
+                        for B in args.batch:
+                            for mode in args.modes:
+                                res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
+                                rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
+                                                 backend, rate, shared, cuda))
+                                print(f"\r[{len(rows)}] N={n} {backend} D={d} B={B} {mode}: "
+                                      f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
             finally:
                 w.close()
+    _fill_speedups(rows)
     print()
     if shared and cuda:
         print("NCCL: not run (it refuses two ranks on one GPU); its columns are NaN.")
@@ -170,12 +162,35 @@ def main(argv=None) -> None:
     print(format_table(rows))
 
 
+def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda) -> dict:
+    worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
+    size = n * B * hn * (d + 2) * 2
+    floor_us = floor_bytes(n, B, hn, d, shared) / rate * 1e6 if cuda else float("nan")
+    return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d,
+                heads_per_rank=hn, B=B, mode=mode, backend=backend, size_bytes=size,
+                **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
+                algbw_GBps=size / worst["median_us"] / 1e3,
+                busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n,
+                floor_us=floor_us, floor_frac=floor_us / worst["median_us"],
+                host_us=max(r["host_us"] for r in res), max_rel_err=max(r["max_rel_err"] for r in res),
+                nccl_us=float("nan"), speedup=float("nan"))
+
+
+def _fill_speedups(rows: list) -> None:
+    """nccl_us and speedup (nccl time / this time) on the rows of every point where NCCL ran."""
+    nccl = {(r["world"], r["head_dim"], r["B"], r["mode"]): r["median_us"] for r in rows if r["backend"] == "nccl"}
+    for r in rows:
+        t = nccl.get((r["world"], r["head_dim"], r["B"], r["mode"]))
+        if t is not None:
+            r["nccl_us"], r["speedup"] = t, t / r["median_us"]
+
+
 def format_table(rows: list) -> str:
-    head = (f"{'N':>2} {'D':>4} {'B':>4} {'mode':>6} {'size(B)':>9} {'med(us)':>8} {'p10':>7} {'p90':>7} "
+    head = (f"{'N':>2} {'backend':>7} {'D':>4} {'B':>4} {'mode':>6} {'size(B)':>9} {'med(us)':>8} {'p10':>7} {'p90':>7} "
             f"{'algbw':>7} {'busbw':>7} {'floor':>7} {'%floor':>6} {'host':>6} {'nccl':>6} {'x':>5}")
     out = [head]
     for r in rows:
-        out.append(f"{r['world']:>2} {r['head_dim']:>4} {r['B']:>4} {r['mode']:>6} {r['size_bytes']:>9} "
+        out.append(f"{r['world']:>2} {r['backend']:>7} {r['head_dim']:>4} {r['B']:>4} {r['mode']:>6} {r['size_bytes']:>9} "
                    f"{r['median_us']:>8.1f} {r['p10_us']:>7.1f} {r['p90_us']:>7.1f} {r['algbw_GBps']:>7.2f} "
                    f"{r['busbw_GBps']:>7.2f} {r['floor_us']:>7.1f} {100 * r['floor_frac']:>5.0f}% "
                    f"{r['host_us']:>6.1f} {r['nccl_us']:>6.1f} {r['speedup']:>5.2f}")

@@ -4,6 +4,7 @@
 # GPU run concurrently. Usage: bash bench/gpu_all.sh [extra `python -m bench` arguments]
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export DCP_GIT_COMMIT="${DCP_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"  # the device copy has no .git: pass it in
 OUT="${OUT:-/tmp/dcp-gpu}"
 mkdir -p "$OUT"
 export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"

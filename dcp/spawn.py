@@ -34,14 +34,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, conn, device: str, env: dict) -> None:
+def _serve(rank: int, world: int, port: int, conn, device: str, env: dict, pg_backend: str) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     conn.send(("ready", None))
     state: dict = {}
     while True:
@@ -65,16 +65,20 @@ def _serve(rank: int, world: int, port: int, conn, device: str, env: dict) -> No
 
 
 class World:
-    """``n`` rank processes over a gloo group; ``run`` calls a function on every rank."""
+    """``n`` rank processes over one process group; ``run`` calls a function on every rank.
 
-    def __init__(self, n: int, device: str = "cpu", env: Optional[dict] = None):
+    ``pg_backend``: ``gloo`` (default; works for ranks sharing a GPU) or ``nccl`` (one GPU per rank).
+    """
+
+    def __init__(self, n: int, device: str = "cpu", env: Optional[dict] = None, pg_backend: str = "gloo"):
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.n, self.device = n, device
         self.procs, self.conns = [], []
         for r in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(r, n, port, child, device, dict(env or {})), daemon=True)
+            p = ctx.Process(target=_serve, args=(r, n, port, child, device, dict(env or {}), pg_backend),
+                            daemon=True)
             p.start()
             self.procs.append(p)
             self.conns.append(parent)

@@ -128,3 +128,25 @@ def test_soak_gpu(worlds):
     print("soak", res)
     assert all(r["calls"] == calls for r in res)
     w.run(rc.close_comm, "soak")
+
+
+@pytest.mark.parametrize("n", [2, 3, 6])
+def test_nccl_backend_matches_triton_gpu(n):
+    """The NCCL reference path needs one GPU per rank (NCCL refuses two ranks on one GPU)."""
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, found {torch.cuda.device_count()}")
+    w = World(n, "cuda", pg_backend="nccl")
+    try:
+        seed = fresh_seed()
+        outputs = {}
+        for backend in ("triton", "nccl"):
+            w.run(rc.make_comm, backend, device="cuda", max_tokens=16, num_heads=16 * n, head_dim=128,
+                  backend=backend)
+            outputs[backend] = [w.run(rc.lse_case, backend, seed + i, return_output=True, **case)
+                                for i, case in enumerate([dict(B=5, special=True), dict(B=40, base_e=False)])]
+            w.run(rc.close_comm, backend)
+        for case_t, case_n in zip(outputs["triton"], outputs["nccl"]):
+            for (yt, lt), (yn, ln) in zip(case_t, case_n):
+                assert torch.equal(yt, yn) and torch.equal(lt, ln)
+    finally:
+        w.close()
