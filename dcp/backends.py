@@ -42,6 +42,7 @@ class TritonTransport:
         self.group, self.layout, self.device, self.max_programs = group, layout, device, max_programs
         self.rank = dist.get_rank(group)
         self.kernels = build_kernels(interpret=device.type == "cpu")
+        self.constexprs = layout.constexprs()
         self.regions: list[SymmetricRegion] = []
         self.status_addr, self._status_keep = 0, None
         provider = provider_for(device)
@@ -77,7 +78,7 @@ class TritonTransport:
             po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1),
             y.stride(0) // div, y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1),
             int(write_lse), _LOG2E if base_e else 1.0,
-            ALIGNED=aligned, num_warps=4, **self.layout.constexprs())
+            ALIGNED=aligned, num_warps=4, **self.constexprs)
 
     def check(self, channels: int) -> None:
         for c in range(channels):

@@ -29,6 +29,25 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
+def _expect(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+    """Accept ``t`` or raise naming what was expected and what came (messages built only then)."""
+    if (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device
+            and (len(shape) != 3 or t.stride(2) == 1 or shape[2] <= 1)):
+        return
+    want = "[" + ", ".join(str(s) for s in shape) + "]"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape):
+        raise ValueError(f"{name}: expected {len(shape)} dimensions {want}, got shape {_shape(t)}")
+    if t.shape != shape:
+        raise ValueError(f"{name}: expected shape {want}, got {_shape(t)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
+
+
 class DcpAllToAll:
     """The packed DCP all-to-all with LSE combine on persistent buffers.
 
@@ -173,10 +192,13 @@ class DcpAllToAll:
         return transport
 
     # --- readiness -----------------------------------------------------------------------------
-    def _variant(self, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor) -> tuple:
-        ptr_ok = (po.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0)
-        aligned = all(ptr_ok) and all(s % 8 == 0 for s in (*po.stride()[:2], *y.stride()[:2]))
-        return (lse.dtype, aligned, *ptr_ok)
+    @staticmethod
+    def _variant(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor) -> tuple:
+        """What selects a compiled variant: LSE dtype, 16-byte rows, pointer alignments."""
+        po_ok, y_ok = po.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0
+        s_po, s_y = po.stride(), y.stride()
+        aligned = po_ok and y_ok and not (s_po[0] % 8 or s_po[1] % 8 or s_y[0] % 8 or s_y[1] % 8)
+        return (lse.dtype, aligned, po_ok, y_ok)
 
     def warmup(self, partial_out: Optional[torch.Tensor] = None,
                partial_lse: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> None:
@@ -193,15 +215,16 @@ class DcpAllToAll:
         if partial_out is not None:
             y = out if out is not None else torch.empty(
                 (1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
-            self._load(partial_out, partial_lse if partial_lse is not None else self._lse_scratch, y)
+            lse = partial_lse if partial_lse is not None else self._lse_scratch
+            self._load(self._variant(partial_out, lse, y), partial_out, lse, y)
             return
         po = torch.empty((1, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device)
         y = torch.empty((1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
         for lse_dtype in LSE_DTYPES:
-            self._load(po, torch.empty((1, self.num_heads), dtype=lse_dtype, device=self.device), y)
+            lse = torch.empty((1, self.num_heads), dtype=lse_dtype, device=self.device)
+            self._load(self._variant(po, lse, y), po, lse, y)
 
-    def _load(self, po, lse, y) -> None:
-        key = self._variant(po, lse, y)
+    def _load(self, key: tuple, po, lse, y) -> None:
         if key in self._ready:
             return
         if self.device.type == "cuda" and self.backend == "triton":
@@ -236,43 +259,38 @@ class DcpAllToAll:
             y_lse = out_lse if out_lse is not None else torch.empty(
                 (B, hn), dtype=torch.float32, device=self.device)
         if B > 0:
-            self._load(partial_out, partial_lse, y)
-            aligned = self._variant(partial_out, partial_lse, y)[1]
-            for b0 in range(0, B, self.max_tokens):
-                b1 = min(B, b0 + self.max_tokens)
-                self._transport.launch(partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
-                                       y_lse[b0:b1] if y_lse is not None else self._lse_scratch,
-                                       b1 - b0, channel, y_lse is not None, is_lse_base_on_e, aligned)
+            key = self._variant(partial_out, partial_lse, y)
+            if key not in self._ready:
+                self._load(key, partial_out, partial_lse, y)
+            write_lse = y_lse is not None
+            if not write_lse:
+                y_lse = self._lse_scratch
+            if B <= self.max_tokens:
+                self._transport.launch(partial_out, partial_lse, y, y_lse, B, channel, write_lse,
+                                       is_lse_base_on_e, key[1])
+            else:
+                for b0 in range(0, B, self.max_tokens):
+                    b1 = min(B, b0 + self.max_tokens)
+                    self._transport.launch(partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
+                                           y_lse[b0:b1] if write_lse else y_lse, b1 - b0, channel,
+                                           write_lse, is_lse_base_on_e, key[1])
+            if not write_lse:
+                y_lse = None
             if check if check is not None else self.check_calls:
                 self.check(synchronize=True)
         return (y, y_lse) if return_lse else y
 
     def _validate(self, po, lse, out, out_lse, channel) -> int:
-        hn, h, d = self.heads_per_rank, self.num_heads, self.head_dim
-
-        def expect(name, t, shape, dtypes):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            want = "[" + ", ".join(str(s) for s in shape) + "]"
-            if t.dim() != len(shape):
-                raise ValueError(f"{name}: expected {len(shape)} dimensions {want}, got shape {_shape(t)}")
-            if any(w != "B" and w != s for w, s in zip(shape, t.shape)):
-                raise ValueError(f"{name}: expected shape {want}, got {_shape(t)}")
-            if t.dtype not in dtypes:
-                raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name}: expected device {self.device}, got {t.device}")
-            if t.dim() == 3 and t.stride(-1) != 1 and t.shape[-1] > 1:
-                raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides "
-                                 f"{tuple(t.stride())}")
-
-        expect("partial_out", po, ("B", h, d), (self.dtype,))
+        hn, h, d, dev = self.heads_per_rank, self.num_heads, self.head_dim, self.device
+        if not isinstance(po, torch.Tensor) or po.dim() != 3:
+            _expect("partial_out", po, ("B", h, d), (self.dtype,), dev)
         B = po.shape[0]
-        expect("partial_lse", lse, (B, h), LSE_DTYPES)
+        _expect("partial_out", po, (B, h, d), (self.dtype,), dev)
+        _expect("partial_lse", lse, (B, h), LSE_DTYPES, dev)
         if out is not None:
-            expect("out", out, (B, hn, d), (self.dtype,))
+            _expect("out", out, (B, hn, d), (self.dtype,), dev)
         if out_lse is not None:
-            expect("out_lse", out_lse, (B, hn), (torch.float32,))
+            _expect("out_lse", out_lse, (B, hn), (torch.float32,), dev)
         if not isinstance(channel, int) or not 0 <= channel < self.channels:
             raise ValueError(f"channel: expected an integer in [0, {self.channels}), got {channel!r}")
         return B
