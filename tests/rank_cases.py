@@ -42,7 +42,8 @@ def _strided(t: torch.Tensor, heads_dim: int, pad: int = 3) -> torch.Tensor:
 
 def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", base_e: bool = True,
              return_lse: bool = True, use_out: bool = False, strided: bool = False,
-             special: bool = False, channel: int = 0, return_output: bool = False):
+             special: bool = False, channel: int = 0, return_output: bool = False,
+             misaligned: bool = False):
     """One call on fresh random inputs, checked against the float64 reference.
 
     Returns the max error, or with ``return_output`` the outputs themselves (on the CPU)."""
@@ -55,6 +56,10 @@ def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", bas
         po = _strided(po, 1)
         pl = _strided(pl.t().contiguous(), 0).t()  # head-major storage: LSE stride (1, H + pad)
         assert not po.is_contiguous() and not pl.is_contiguous()
+    if misaligned:  # 2-byte storage offset: pointers not 16-byte aligned, the unaligned variant
+        raw = torch.empty(po.numel() + 1, dtype=po.dtype, device=dev)
+        po = raw[1:].view(po.shape).copy_(po)
+        assert po.data_ptr() % 16 != 0
     out = out_lse = None
     if use_out:  # poisoned: an element the kernel does not write stays NaN and fails the check
         out = torch.full((B, hn, D), float("nan"), dtype=comm.dtype, device=dev)
