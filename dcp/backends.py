@@ -5,7 +5,6 @@ they give the same results; only how packed rows reach their destination differs
 """
 
 import ctypes
-from typing import Optional
 
 import numpy as np
 import torch
@@ -121,6 +120,8 @@ class NcclTransport:
                  channels: int):
         self.group, self.layout, self.device = group, layout, device
         self.kernels = build_kernels(interpret=device.type == "cpu")
+        self.constexprs = dict(N=layout.world, HN=layout.heads_per_rank, D=layout.head_dim,
+                               DP=layout.padded_dim, ROW=layout.row_elems, BLOCK_R=layout.block_rows)
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
@@ -129,8 +130,7 @@ class NcclTransport:
         lay = self.layout
         n_tiles = -(-n_tokens * lay.heads_per_rank // lay.block_rows)
         div = 8 if aligned else 1
-        common = dict(N=lay.world, HN=lay.heads_per_rank, D=lay.head_dim, DP=lay.padded_dim,
-                      ROW=lay.row_elems, BLOCK_R=lay.block_rows, ALIGNED=aligned, num_warps=4)
+        common = dict(self.constexprs, ALIGNED=aligned, num_warps=4)
         used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
         send, recv = self.send[channel][:used], self.recv[channel][:used]
         _launcher(self.kernels.pack, (n_tiles,), self.device)(

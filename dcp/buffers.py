@@ -125,7 +125,6 @@ class CudaIpcProvider:
     def open(self, group: dist.ProcessGroup, nbytes: int) -> SymmetricRegion:
         rank = dist.get_rank(group)
         releases: list[Callable[[], None]] = []
-        handle, error = None, None
         peers: list[Optional[int]] = []
         with torch.cuda.device(self.device):
 

@@ -86,7 +86,7 @@ class DcpAllToAll:
 
         geometry = (max_tokens, num_heads, head_dim, str(dtype), channels, self.world, requested)
         where = self._where()
-        facts = all_gather(group, (geometry, self._local_error(requested), where))
+        facts = all_gather(group, (geometry, self._local_error(requested), where, self.device.index))
         agree(group, facts[self.rank][1], "DcpAllToAll construction")
         if any(f[0] != geometry for f in facts):
             raise DcpError("ranks disagree on the DcpAllToAll geometry (max_tokens, num_heads, head_dim, "
@@ -96,7 +96,7 @@ class DcpAllToAll:
         self.max_programs = max_programs or self._default_programs()
         self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         self._ready: set = set()
-        self._transport = self._select(requested, [f[2].split("/")[0] for f in facts])
+        self._transport = self._select(requested, [f[2].split("/")[0] for f in facts], [f[3] for f in facts])
         self.backend: str = self._transport.name
         self.provider: str = self._transport.provider
         self._closed = False
@@ -154,38 +154,35 @@ class DcpAllToAll:
             return f"the group has {self.world} ranks; the triton path serves up to {MAX_PEERS}"
         return None
 
-    def _p2p_obstacle(self) -> Optional[str]:
+    def _p2p_obstacle(self, devices: list) -> Optional[str]:
         """This rank's view: can its GPU reach every other GPU of the group (peer access)?"""
         if self.device.type != "cuda":
             return None
-        devices = all_gather(self.group, self.device.index)
         for other in set(devices) - {self.device.index}:
             if not torch.cuda.can_device_access_peer(self.device.index, other):
                 return f"GPU {self.device.index} has no peer access to GPU {other}"
         return None
 
-    def _select(self, requested: str, hosts: list):
+    def _select(self, requested: str, hosts: list, devices: list):
+        """The transport every rank agrees on, and why (logged once by rank 0)."""
         obstacle = self._triton_obstacle(hosts)
         if requested == "auto" and obstacle is None:
-            views = all_gather(self.group, self._p2p_obstacle())
+            views = all_gather(self.group, self._p2p_obstacle(devices))
             obstacle = next((v for v in views if v), None)
         if requested == "triton" and obstacle is not None:
             raise DcpError(f"backend='triton' cannot serve this group: {obstacle}")
-        if requested == "nccl" or obstacle is not None:
-            reason = "requested" if requested == "nccl" else obstacle
-            return self._chosen(NcclTransport(self.group, self.layout, self.device, self.channels), reason)
-        try:
-            transport = TritonTransport(self.group, self.layout, self.device, self.channels,
-                                        self.timeout_s, self.max_programs)
-        except DcpError as exc:  # raised on every rank alike: the fallback is collective too
-            if requested == "triton":
-                raise
-            return self._chosen(NcclTransport(self.group, self.layout, self.device, self.channels),
-                                f"buffer setup failed: {exc}")
-        return self._chosen(transport, "requested" if requested == "triton" else
-                            "every rank reaches every peer's buffer")
-
-    def _chosen(self, transport, reason: str):
+        transport, reason = None, "requested" if requested == "nccl" else obstacle
+        if requested != "nccl" and obstacle is None:
+            try:
+                transport = TritonTransport(self.group, self.layout, self.device, self.channels,
+                                            self.timeout_s, self.max_programs)
+                reason = "requested" if requested == "triton" else "every rank reaches every peer's buffer"
+            except DcpError as exc:  # raised on every rank alike: the fallback is collective too
+                if requested == "triton":
+                    raise
+                reason = f"buffer setup failed: {exc}"
+        if transport is None:
+            transport = NcclTransport(self.group, self.layout, self.device, self.channels)
         if self.rank == 0:
             log.info("DCP all-to-all backend: %s (%s)", transport.name, reason)
         self.backend_reason = reason

@@ -57,6 +57,12 @@ _MISMATCH_AFTER_NS = tl.constexpr(20_000)
 
 # --- shared by both paths ------------------------------------------------------------------------
 
+def _tile_rows(t, n_rows, HN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tile t of the flattened [B * HN] (token, head) rows: rows, their mask, token, head."""
+    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows, rows < n_rows, (rows // HN).to(tl.int64), rows % HN
+
+
 def _pack_rows(po, lse, dst16, dst32, dst_row, rmask, tok, head, c_off, cmask,
                s_po_b, s_po_h, s_lse_b, s_lse_h, ROW: tl.constexpr, D: tl.constexpr):
     """Store rows (token, head) of the input as packed rows: D values, then the fp32 LSE."""
@@ -126,17 +132,13 @@ def lse_alltoall_kernel(
         slot = e & 1
         n_rows = n_tokens * HN
         n_tiles = (n_rows + BLOCK_R - 1) // BLOCK_R
-        r_off = tl.arange(0, BLOCK_R)
         c_off = tl.arange(0, DP)
         cmask = c_off < D
 
         # Push: pack each tile for every destination straight into its receive slot, then publish.
         t = pid
         while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
-            rows = t * BLOCK_R + r_off
-            rmask = rows < n_rows
-            tok = (rows // HN).to(tl.int64)
-            hh = rows % HN
+            rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
             dst_row = ((slot * N + rank) * ROWS_MAX + rows).to(tl.int64)
             flag_idx = ((slot * N + rank) * TILES_MAX + t) * 2
             for d in tl.static_range(N):
@@ -167,22 +169,20 @@ def lse_alltoall_kernel(
             code = 0
             while code == 0:
                 n_arrived = 0
-                n_first = 0
                 for s in tl.static_range(N):
-                    src_flags = flags + (slot * N + s) * TILES_MAX * 2
-                    n_arrived += (_load_relaxed(src_flags + t * 2) == e).to(tl.int32)
-                    n_first += (_load_relaxed(src_flags) == e).to(tl.int32)
-                late = (_now(e) - start) > timeout
-                code = tl.where(n_arrived == N, -1, tl.where(late, _TIMEOUT, 0))
+                    n_arrived += (_load_relaxed(flags + ((slot * N + s) * TILES_MAX + t) * 2) == e).to(tl.int32)
+                waited = _now(e) - start
+                code = tl.where(n_arrived == N, -1, tl.where(waited > timeout, _TIMEOUT, 0))
                 # A size mismatch shows as tile 0 arriving with another B while this tile never
-                # does (the sender has fewer tiles); look only once the wait is not short.
-                if (n_first > 0) & (code == 0) & ((_now(e) - start) > _MISMATCH_AFTER_NS):
+                # does (the sender has fewer tiles); look only once the wait is not short, so the
+                # fast spin reads nothing else.
+                if (code == 0) & (waited > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
                         src_flags = flags + (slot * N + s) * TILES_MAX * 2
-                        first_e = _load_relaxed(src_flags)
-                        _fence(e)  # the flag before the B it publishes
-                        if (first_e == e) & (_load_relaxed(src_flags + 1) != n_tokens):
-                            code = _MISMATCH
+                        if _load_relaxed(src_flags) == e:
+                            _fence(e)  # the flag before the B it publishes
+                            if _load_relaxed(src_flags + 1) != n_tokens:
+                                code = _MISMATCH
                 _pause()
             _fence(e)
             if code < 0:
@@ -191,10 +191,7 @@ def lse_alltoall_kernel(
                         code = _MISMATCH
             tl.debug_barrier()
 
-            rows = t * BLOCK_R + r_off
-            rmask = rows < n_rows
-            tok = (rows // HN).to(tl.int64)
-            hh = rows % HN
+            rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
             y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
             yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
             if code < 0:
@@ -239,16 +236,14 @@ def pack_kernel(po, lse, send, n_tokens, s_po_b, s_po_h, s_lse_b, s_lse_h,
     if ALIGNED:
         s_po_b = s_po_b * 8
         s_po_h = s_po_h * 8
-    t = tl.program_id(0)
     n_rows = n_tokens * HN
-    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
+    rows, rmask, tok, hh = _tile_rows(tl.program_id(0), n_rows, HN, BLOCK_R)
     c_off = tl.arange(0, DP)
     send16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16)
     send32 = send.to(tl.pointer_type(tl.float32), bitcast=True)
     for d in tl.static_range(N):
-        _pack_rows(po, lse, send16, send32, (d * n_rows + rows).to(tl.int64), rmask,
-                   (rows // HN).to(tl.int64), d * HN + rows % HN, c_off, c_off < D,
+        _pack_rows(po, lse, send16, send32, (d * n_rows + rows).to(tl.int64), rmask, tok, d * HN + hh,
+                   c_off, c_off < D,
                    s_po_b, s_po_h, s_lse_b, s_lse_h, ROW, D)
 
 
@@ -259,13 +254,9 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
     if ALIGNED:
         s_y_b = s_y_b * 8
         s_y_h = s_y_h * 8
-    t = tl.program_id(0)
     n_rows = n_tokens * HN
-    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
+    rows, rmask, tok, hh = _tile_rows(tl.program_id(0), n_rows, HN, BLOCK_R)
     c_off = tl.arange(0, DP)
-    tok = (rows // HN).to(tl.int64)
-    hh = rows % HN
     _combine_rows(tl.multiple_of(recv.to(tl.pointer_type(tl.int16), bitcast=True), 16),
                   recv.to(tl.pointer_type(tl.float32), bitcast=True), rows.to(tl.int64), n_rows,
                   y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :],
@@ -329,7 +320,7 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_pack_rows, _combine_rows)
+_SHARED_HELPERS = (_tile_rows, _pack_rows, _combine_rows)
 _INT_ARGS = ["n_tokens", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]
 _built: dict = {}

@@ -1,7 +1,6 @@
 """Functions that run on every rank of a ``tests.world.World`` (first argument: the rank's state)."""
 
 import glob
-import math
 import os
 
 import torch
@@ -12,10 +11,6 @@ from dcp.reference import lse_combine_reference, make_inputs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-
-
-def _device(state) -> str:
-    return "cuda" if torch.cuda.is_available() and state.get("cuda", True) else "cpu"
 
 
 def make_comm(state, key: str, device: str = "cpu", **kwargs) -> str:

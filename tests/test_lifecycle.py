@@ -1,7 +1,5 @@
 """Channels, epochs across the wrap, timeouts, peer death, mismatched calls, leaks, soak (CPU tier)."""
 
-import pytest
-
 from dcp.spawn import World
 from kernels import EPOCH_PERIOD
 from tests import rank_cases as rc
