@@ -1,0 +1,98 @@
+"""Where the host time of an eager call goes: each step of ``lse_reduce`` timed on its own.
+
+    python -m bench.host_time [--world-size 3] [--batch 8] [--head-dim 512] [--iters 2000]
+
+Every rank runs the same sequence (steps that launch the kernel do so on all ranks, so every
+launch completes); the table gives the median per rank and step, and a profile of rank 0.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dcp import DcpAllToAll
+from dcp.reference import make_inputs
+from dcp.spawn import World
+
+
+def _median_us(step, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    comm = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=16 * n, head_dim=head_dim,
+                       dtype=torch.bfloat16, device=device, backend="triton")
+    outs, lses = make_inputs(rank, n, B, comm.num_heads, head_dim, comm.dtype)
+    po, pl = outs[rank].to(comm.device), lses[rank].to(comm.device)
+    y = torch.empty((B, comm.heads_per_rank, head_dim), dtype=comm.dtype, device=comm.device)
+    t, key = comm._transport, comm._variant(po, pl, y)
+    steps = {
+        "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
+        "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
+        "  _validate": lambda: comm._validate(po, pl, y, None, 0),
+        "  _variant": lambda: comm._variant(po, pl, y),
+        "  transport.launch": lambda: t.launch(po, pl, y, comm._lse_scratch, B, 0, False, True, key[1]),
+        "empty step (timer only)": lambda: None,
+    }
+    res = {}
+    for name, step in steps.items():
+        step()
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        res[name] = _median_us(step, iters)
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    dist.barrier()
+    prof.enable()
+    for _ in range(iters // 4):
+        comm.lse_reduce(po, pl, out=y)
+    prof.disable()
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize()
+    comm.check()
+    comm.close()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+    res["profile"] = text.getvalue() if rank == 0 else ""
+    return res
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=512)
+    p.add_argument("--iters", type=int, default=2000)
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    iters = args.iters if device == "cuda" else min(args.iters, 20)
+    w = World(args.world_size, device)
+    try:
+        res = w.run(probe, args.batch, args.head_dim, iters, device, timeout=600)
+    finally:
+        w.close()
+    print(f"host time per step, median us over {iters} calls (N={args.world_size}, B={args.batch}, "
+          f"D={args.head_dim}, {device})")
+    print(f"{'step':<30}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(res))))
+    for name in res[0]:
+        if name != "profile":
+            print(f"{name:<30}" + "".join(f"{r[name]:>10.1f}" for r in res))
+    print(res[0]["profile"])
+
+
+if __name__ == "__main__":
+    main()
