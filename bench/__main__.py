@@ -42,6 +42,7 @@ def provenance(argv: list) -> dict:
         "host": platform.node(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "git_commit": _sh("git rev-parse --short HEAD") or os.environ.get("DCP_GIT_COMMIT", "unknown"),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("DCP_", "CUDA_MPS"))},
     }
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -43,7 +43,7 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
         "  _validate": lambda: comm._validate(po, pl, y, None, 0),
         "  _variant": lambda: comm._variant(po, pl, y),
-        "  transport.launch": lambda: t.launch(po, pl, y, comm._lse_scratch, B, 0, False, True, key[1]),
+        "  transport.launch": lambda: t.launch(key, po, pl, y, comm._lse_scratch, B, 0, False, True),
         "empty step (timer only)": lambda: None,
     }
     res = {}

@@ -18,17 +18,34 @@ from dcp.protocol import ChannelLayout, raise_status, status_words
 _LOG2E = 1.4426950408889634
 
 
-def _quiet(fn):
-    """The interpreter also evaluates masked-off lanes (divide by zero, log of 0): harmless."""
-    def run(*args, **kwargs):
-        with np.errstate(all="ignore"):
-            return fn(*args, **kwargs)
-    return run
+class _Launcher:
+    """Launches one kernel; on CUDA through the compiled variant's own handle once it is loaded.
 
+    Triton's JIT entry point rebinds the arguments, recomputes the specialization key and rechecks
+    the kernel's globals on every launch: most of an eager call's host time on the H200 host
+    (``python -m bench.host_time``). A loaded variant needs none of that. ``variant`` must
+    determine everything Triton specializes on: ``DcpAllToAll._variant`` says what that is.
+    On CPU tensors the interpreter runs the kernel.
+    """
 
-def _launcher(kernel, grid, device: torch.device):
-    launch = kernel[grid]
-    return _quiet(launch) if device.type == "cpu" else launch
+    def __init__(self, kernel, device: torch.device, constexprs: dict):
+        self.kernel, self.cuda, self.constexprs = kernel, device.type == "cuda", constexprs
+        self.compiled: dict = {}
+        self.constexpr_args: dict = {}
+
+    def __call__(self, variant: tuple, grid: int, aligned: bool, *args) -> None:
+        compiled = self.compiled.get(variant) if self.cuda else None
+        if compiled is not None:
+            compiled[(grid, 1, 1)](*args, *self.constexpr_args[aligned])
+            return
+        kwargs = dict(self.constexprs, ALIGNED=aligned)
+        if not self.cuda:
+            with np.errstate(all="ignore"):  # the interpreter also evaluates masked-off lanes
+                self.kernel[(grid,)](*args, num_warps=4, **kwargs)
+            return
+        self.compiled[variant] = self.kernel[(grid,)](*args, num_warps=4, **kwargs)
+        # The launcher takes every parameter in order; it ignores the constexprs' values.
+        self.constexpr_args[aligned] = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
 
 
 class TritonTransport:
@@ -37,11 +54,11 @@ class TritonTransport:
     name = "triton"
 
     def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
-                 channels: int, timeout_s: float, max_programs: int):
+                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool):
         self.group, self.layout, self.device, self.max_programs = group, layout, device, max_programs
         self.rank = dist.get_rank(group)
-        self.kernels = build_kernels(interpret=device.type == "cpu")
-        self.constexprs = layout.constexprs()
+        self.fused = _Launcher(build_kernels(interpret=device.type == "cpu").fused, device,
+                               dict(layout.constexprs(), GPU_SCOPE=gpu_scope))
         self.regions: list[SymmetricRegion] = []
         self.status_addr, self._status_keep = 0, None
         provider = provider_for(device)
@@ -68,16 +85,15 @@ class TritonTransport:
             self._status_keep = ctypes.create_string_buffer(nbytes)
             self.status_addr = ctypes.addressof(self._status_keep)
 
-    def launch(self, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, aligned) -> None:
+    def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
         n_tiles = -(-n_tokens * self.layout.heads_per_rank // self.layout.block_rows)
-        grid = (max(1, min(n_tiles, self.max_programs)),)
+        aligned = variant[1]
         div = 8 if aligned else 1
-        _launcher(self.kernels.fused, grid, self.device)(
-            po, lse, y, y_lse, self.ctl[channel], n_tokens, self.rank,
-            po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1),
-            y.stride(0) // div, y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1),
-            int(write_lse), _LOG2E if base_e else 1.0,
-            ALIGNED=aligned, num_warps=4, **self.constexprs)
+        self.fused(variant, max(1, min(n_tiles, self.max_programs)), aligned,
+                   po, lse, y, y_lse, self.ctl[channel], n_tokens, self.rank,
+                   po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1),
+                   y.stride(0) // div, y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1),
+                   int(write_lse), _LOG2E if base_e else 1.0)
 
     def check(self, channels: int) -> None:
         for c in range(channels):
@@ -119,27 +135,28 @@ class NcclTransport:
     def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
                  channels: int):
         self.group, self.layout, self.device = group, layout, device
-        self.kernels = build_kernels(interpret=device.type == "cpu")
-        self.constexprs = dict(N=layout.world, HN=layout.heads_per_rank, D=layout.head_dim,
-                               DP=layout.padded_dim, ROW=layout.row_elems, BLOCK_R=layout.block_rows)
+        kernels = build_kernels(interpret=device.type == "cpu")
+        constexprs = dict(N=layout.world, HN=layout.heads_per_rank, D=layout.head_dim,
+                          DP=layout.padded_dim, ROW=layout.row_elems, BLOCK_R=layout.block_rows)
+        self.pack = _Launcher(kernels.pack, device, constexprs)
+        self.combine = _Launcher(kernels.combine, device, constexprs)
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
 
-    def launch(self, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, aligned) -> None:
+    def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
         lay = self.layout
         n_tiles = -(-n_tokens * lay.heads_per_rank // lay.block_rows)
+        aligned = variant[1]
         div = 8 if aligned else 1
-        common = dict(self.constexprs, ALIGNED=aligned, num_warps=4)
         used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
         send, recv = self.send[channel][:used], self.recv[channel][:used]
-        _launcher(self.kernels.pack, (n_tiles,), self.device)(
-            po, lse, send, n_tokens, po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1),
-            **common)
+        self.pack(variant, n_tiles, aligned, po, lse, send, n_tokens,
+                  po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1))
         dist.all_to_all_single(recv, send, group=self.group)
-        _launcher(self.kernels.combine, (n_tiles,), self.device)(
-            recv, y, y_lse, n_tokens, y.stride(0) // div, y.stride(1) // div,
-            y_lse.stride(0), y_lse.stride(-1), int(write_lse), _LOG2E if base_e else 1.0, **common)
+        self.combine(variant, n_tiles, aligned, recv, y, y_lse, n_tokens, y.stride(0) // div,
+                     y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1), int(write_lse),
+                     _LOG2E if base_e else 1.0)
 
     def check(self, channels: int) -> None:
         pass  # NCCL reports its own failures

@@ -163,6 +163,13 @@ class DcpAllToAll:
                 return f"GPU {self.device.index} has no peer access to GPU {other}"
         return None
 
+    def _gpu_scope(self) -> bool:
+        """Flags and fences at GPU scope when every rank runs on this one GPU, else system scope.
+
+        ``DCP_A2A_FENCE_SCOPE=sys`` forces system scope everywhere (the same on every rank).
+        """
+        return self.ranks_per_device == self.world and os.environ.get("DCP_A2A_FENCE_SCOPE") != "sys"
+
     def _select(self, requested: str, hosts: list, devices: list):
         """The transport every rank agrees on, and why (logged once by rank 0)."""
         obstacle = self._triton_obstacle(hosts)
@@ -175,7 +182,7 @@ class DcpAllToAll:
         if requested != "nccl" and obstacle is None:
             try:
                 transport = TritonTransport(self.group, self.layout, self.device, self.channels,
-                                            self.timeout_s, self.max_programs)
+                                            self.timeout_s, self.max_programs, self._gpu_scope())
                 reason = "requested" if requested == "triton" else "every rank reaches every peer's buffer"
             except DcpError as exc:  # raised on every rank alike: the fallback is collective too
                 if requested == "triton":
@@ -191,10 +198,15 @@ class DcpAllToAll:
     # --- readiness -----------------------------------------------------------------------------
     @staticmethod
     def _variant(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor) -> tuple:
-        """What selects a compiled variant: LSE dtype, 16-byte rows, pointer alignments."""
-        po_ok, y_ok = po.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0
+        """Everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer alignments.
+
+        A pointer counts as aligned only if every token's row is, so that the chunks of a call
+        with B > max_tokens share the variant of the whole call.
+        """
         s_po, s_y = po.stride(), y.stride()
-        aligned = po_ok and y_ok and not (s_po[0] % 8 or s_po[1] % 8 or s_y[0] % 8 or s_y[1] % 8)
+        po_ok = po.data_ptr() % 16 == 0 and s_po[0] % 8 == 0
+        y_ok = y.data_ptr() % 16 == 0 and s_y[0] % 8 == 0
+        aligned = po_ok and y_ok and s_po[1] % 8 == 0 and s_y[1] % 8 == 0
         return (lse.dtype, aligned, po_ok, y_ok)
 
     def warmup(self, partial_out: Optional[torch.Tensor] = None,
@@ -232,7 +244,7 @@ class DcpAllToAll:
                     "partial_lse, out) with tensors of this layout before capture")
             stream = torch.cuda.current_stream(self.device)
             stream.synchronize()  # loading a module next to a spinning kernel can block
-            self._transport.launch(po, lse, y, self._lse_scratch, 0, 0, False, True, key[1])
+            self._transport.launch(key, po, lse, y, self._lse_scratch, 0, 0, False, True)
             stream.synchronize()
         self._ready.add(key)
 
@@ -263,14 +275,14 @@ class DcpAllToAll:
             if not write_lse:
                 y_lse = self._lse_scratch
             if B <= self.max_tokens:
-                self._transport.launch(partial_out, partial_lse, y, y_lse, B, channel, write_lse,
-                                       is_lse_base_on_e, key[1])
+                self._transport.launch(key, partial_out, partial_lse, y, y_lse, B, channel, write_lse,
+                                       is_lse_base_on_e)
             else:
                 for b0 in range(0, B, self.max_tokens):
                     b1 = min(B, b0 + self.max_tokens)
-                    self._transport.launch(partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
+                    self._transport.launch(key, partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
                                            y_lse[b0:b1] if write_lse else y_lse, b1 - b0, channel,
-                                           write_lse, is_lse_base_on_e, key[1])
+                                           write_lse, is_lse_base_on_e)
             if not write_lse:
                 y_lse = None
             if check if check is not None else self.check_calls:

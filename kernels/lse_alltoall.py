@@ -18,7 +18,8 @@ NCCL path (``pack_kernel``, ``all_to_all_single``, ``combine_kernel``): the same
 ``[N, B, H/N, ROW]`` send buffer, and the same combine over the received one.
 
 The same Python source is built twice: compiled for CUDA, where publishing and polling are relaxed
-system-scope stores and loads ordered by ``fence.acq_rel.sys`` and time comes from ``%globaltimer``;
+stores and loads ordered by ``fence.acq_rel`` (at GPU scope when every rank runs on one GPU, else at
+system scope: ``GPU_SCOPE``) and time comes from ``%globaltimer``;
 and under Triton's interpreter for CPU tensors, where the same helpers are host atomics, a
 monotonic clock and a yield, so that rank processes sharing few cores keep progressing.
 """
@@ -114,7 +115,7 @@ def lse_alltoall_kernel(
     write_lse, log2_scale,
     N: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
-    FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, ALIGNED: tl.constexpr,
+    FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -150,9 +151,9 @@ def lse_alltoall_kernel(
             # Fence pattern: all threads' stores, a CTA barrier, one system-scope fence, then
             # relaxed flag stores to every peer at once (no serialized release per peer).
             tl.debug_barrier()
-            _fence(e)
+            _fence(e, GPU_SCOPE)
             for d in tl.static_range(N):
-                _store_relaxed((tl.load(ctl + d) + FLAG_OFF).to(tl.pointer_type(tl.int32)) + flag_idx, e)
+                _store_relaxed((tl.load(ctl + d) + FLAG_OFF).to(tl.pointer_type(tl.int32)) + flag_idx, e, GPU_SCOPE)
             t += G
 
         # Wait and combine: a bounded spin on the tile's flags from every source (relaxed loads,
@@ -170,7 +171,7 @@ def lse_alltoall_kernel(
             while code == 0:
                 n_arrived = 0
                 for s in tl.static_range(N):
-                    n_arrived += (_load_relaxed(flags + ((slot * N + s) * TILES_MAX + t) * 2) == e).to(tl.int32)
+                    n_arrived += (_load_relaxed(flags + ((slot * N + s) * TILES_MAX + t) * 2, GPU_SCOPE) == e).to(tl.int32)
                 waited = _now(e) - start
                 code = tl.where(n_arrived == N, -1, tl.where(waited > timeout, _TIMEOUT, 0))
                 # A size mismatch shows as tile 0 arriving with another B while this tile never
@@ -179,15 +180,15 @@ def lse_alltoall_kernel(
                 if (code == 0) & (waited > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
                         src_flags = flags + (slot * N + s) * TILES_MAX * 2
-                        if _load_relaxed(src_flags) == e:
-                            _fence(e)  # the flag before the B it publishes
-                            if _load_relaxed(src_flags + 1) != n_tokens:
+                        if _load_relaxed(src_flags, GPU_SCOPE) == e:
+                            _fence(e, GPU_SCOPE)  # the flag before the B it publishes
+                            if _load_relaxed(src_flags + 1, GPU_SCOPE) != n_tokens:
                                 code = _MISMATCH
                 _pause()
-            _fence(e)
+            _fence(e, GPU_SCOPE)
             if code < 0:
                 for s in tl.static_range(N):
-                    if _load_relaxed(flags + ((slot * N + s) * TILES_MAX + t) * 2 + 1) != n_tokens:
+                    if _load_relaxed(flags + ((slot * N + s) * TILES_MAX + t) * 2 + 1, GPU_SCOPE) != n_tokens:
                         code = _MISMATCH
             tl.debug_barrier()
 
@@ -210,11 +211,11 @@ def lse_alltoall_kernel(
                     tl.store(status + 3, n_tokens)
                     for s in tl.static_range(N):
                         src_flags = flags + (slot * N + s) * TILES_MAX * 2
-                        got = _load_relaxed(src_flags + t * 2) == e
-                        got_first = _load_relaxed(src_flags) == e
+                        got = _load_relaxed(src_flags + t * 2, GPU_SCOPE) == e
+                        got_first = _load_relaxed(src_flags, GPU_SCOPE) == e
                         tl.store(status + 4 + s, (~got).to(tl.int32))
-                        tl.store(status + 12 + s, tl.where(got, _load_relaxed(src_flags + t * 2 + 1),
-                                                          tl.where(got_first, _load_relaxed(src_flags + 1), -1)))
+                        tl.store(status + 12 + s, tl.where(got, _load_relaxed(src_flags + t * 2 + 1, GPU_SCOPE),
+                                                          tl.where(got_first, _load_relaxed(src_flags + 1, GPU_SCOPE), -1)))
                     tl.store(status, code)
             # After one failed wait the call is lost: later tiles look once and give up.
             timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
@@ -266,19 +267,30 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
 
 # --- helpers that differ by execution mode -------------------------------------------------------
 
-def _load_relaxed_gpu(ptr):
+def _load_relaxed_gpu(ptr, GPU_SCOPE: tl.constexpr):
+    if GPU_SCOPE:
+        return tl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)
     return tl.inline_asm_elementwise("ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", [ptr],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
-def _store_relaxed_gpu(ptr, val):
-    tl.inline_asm_elementwise("st.relaxed.sys.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
+def _store_relaxed_gpu(ptr, val, GPU_SCOPE: tl.constexpr):
+    if GPU_SCOPE:
+        tl.inline_asm_elementwise("st.relaxed.gpu.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("st.relaxed.sys.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def _fence_gpu(x):
-    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r,r", [x],
-                              dtype=tl.int32, is_pure=False, pack=1)
+def _fence_gpu(x, GPU_SCOPE: tl.constexpr):
+    if GPU_SCOPE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [x],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r,r", [x],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _now_gpu(x):
@@ -294,15 +306,15 @@ def _call_failed_gpu(status, e):
     return e != e  # programs wait concurrently on a GPU: no need to read host memory per tile
 
 
-def _load_relaxed_cpu(ptr):
+def _load_relaxed_cpu(ptr, GPU_SCOPE):
     return tl.load(ptr, volatile=True)
 
 
-def _store_relaxed_cpu(ptr, val):
+def _store_relaxed_cpu(ptr, val, GPU_SCOPE):
     tl.atomic_xchg(ptr, val)
 
 
-def _fence_cpu(x):
+def _fence_cpu(x, GPU_SCOPE):
     pass  # the interpreter runs each program's operations in order on x86 (TSO)
 
 

@@ -29,14 +29,16 @@ def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=()):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 
-@pytest.mark.parametrize("lse_ty", ["fp32", "bf16"])
-def test_fused_kernel_compiles_with_vector_rows_and_system_scope_sync(lse_ty):
+@pytest.mark.parametrize("lse_ty,scope", [("fp32", "sys"), ("bf16", "sys"), ("fp32", "gpu")])
+def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope):
     lay = ChannelLayout(world=6, heads_per_rank=16, head_dim=512, max_tokens=64)
     ptx = _compile(build_kernels(False).fused,
                    {"po": "*bf16", "lse": f"*{lse_ty}", "y": "*bf16", "y_lse": "*fp32", "ctl": "*i64"},
-                   dict(lay.constexprs(), ALIGNED=True), aligned_ptrs=("po", "y"))
-    assert "fence.acq_rel.sys" in ptx
-    assert "st.relaxed.sys.global.b32" in ptx and "ld.relaxed.sys.global.b32" in ptx
+                   dict(lay.constexprs(), ALIGNED=True, GPU_SCOPE=scope == "gpu"), aligned_ptrs=("po", "y"))
+    other = {"sys": "gpu", "gpu": "sys"}[scope]
+    assert f"fence.acq_rel.{scope}" in ptx and f"fence.acq_rel.{other}" not in ptx
+    assert f"st.relaxed.{scope}.global.b32" in ptx and f"ld.relaxed.{scope}.global.b32" in ptx
+    assert f"relaxed.{other}" not in ptx
     assert "%globaltimer" in ptx
     assert "atom" in ptx and "trap" not in ptx  # the epoch advance is a local atomic; never trap
     # packed rows move as 16-byte vectors, both the pushes and the combine's reads
