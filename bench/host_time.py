@@ -38,12 +38,14 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     po, pl = outs[rank].to(comm.device), lses[rank].to(comm.device)
     y = torch.empty((B, comm.heads_per_rank, head_dim), dtype=comm.dtype, device=comm.device)
     t, key = comm._transport, comm._variant(po, pl, y)
+    one = torch.zeros(1, device=comm.device)
     steps = {
         "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
         "  _validate": lambda: comm._validate(po, pl, y, None, 0),
         "  _variant": lambda: comm._variant(po, pl, y),
         "  transport.launch": lambda: t.launch(key, po, pl, y, comm._lse_scratch, B, 0, False, True),
+        "for scale: a 1-element torch add_": lambda: one.add_(1),
         "empty step (timer only)": lambda: None,
     }
     res = {}
@@ -87,10 +89,10 @@ def main(argv=None) -> None:
         w.close()
     print(f"host time per step, median us over {iters} calls (N={args.world_size}, B={args.batch}, "
           f"D={args.head_dim}, {device})")
-    print(f"{'step':<30}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(res))))
+    print(f"{'step':<36}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(res))))
     for name in res[0]:
         if name != "profile":
-            print(f"{name:<30}" + "".join(f"{r[name]:>10.1f}" for r in res))
+            print(f"{name:<36}" + "".join(f"{r[name]:>10.1f}" for r in res))
     print(res[0]["profile"])
 
 
