@@ -41,7 +41,8 @@ def provenance(argv: list) -> dict:
         "command": " ".join(["python -m bench"] + argv),
         "host": platform.node(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "git_commit": _sh("git rev-parse --short HEAD") or os.environ.get("DCP_GIT_COMMIT", "unknown"),
+        # the device machine's copy may carry a stale .git: a commit passed in wins
+        "git_commit": os.environ.get("DCP_GIT_COMMIT") or _sh("git rev-parse --short HEAD") or "unknown",
         "env": {k: v for k, v in os.environ.items() if k.startswith(("DCP_", "CUDA_MPS"))},
     }
     if torch.cuda.is_available():

@@ -89,10 +89,11 @@ class TritonTransport:
         n_tiles = -(-n_tokens * self.layout.heads_per_rank // self.layout.block_rows)
         aligned = variant[1]
         div = 8 if aligned else 1
+        (s_po_b, s_po_h, _), (s_y_b, s_y_h, _) = po.stride(), y.stride()
         self.fused(variant, max(1, min(n_tiles, self.max_programs)), aligned,
                    po, lse, y, y_lse, self.ctl[channel], n_tokens, self.rank,
-                   po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1),
-                   y.stride(0) // div, y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1),
+                   s_po_b // div, s_po_h // div, lse.stride(0), lse.stride(-1),
+                   s_y_b // div, s_y_h // div, y_lse.stride(0), y_lse.stride(-1),
                    int(write_lse), _LOG2E if base_e else 1.0)
 
     def check(self, channels: int) -> None:

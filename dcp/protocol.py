@@ -7,6 +7,7 @@ kernel leaves in host-mapped memory into Python errors.
 
 import ctypes
 from dataclasses import dataclass
+from functools import cached_property
 
 from kernels import STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS
 from dcp.errors import DcpMismatchError, DcpTimeoutError
@@ -25,42 +26,45 @@ def _align(x: int, a: int = ALIGN) -> int:
 
 @dataclass(frozen=True)
 class ChannelLayout:
-    """Byte layout of one channel's symmetric region (identical on every rank)."""
+    """Byte layout of one channel's symmetric region (identical on every rank).
+
+    Its sizes are computed once: the call path reads them on every launch.
+    """
 
     world: int
     heads_per_rank: int
     head_dim: int
     max_tokens: int
 
-    @property
+    @cached_property
     def padded_dim(self) -> int:  # power-of-two block width over the head dim
         return _next_pow2(self.head_dim)
 
-    @property
+    @cached_property
     def row_elems(self) -> int:  # D values + fp32 LSE as two 16-bit lanes, padded to 16 bytes
         return _align(self.head_dim + 2, 8)
 
-    @property
+    @cached_property
     def rows_max(self) -> int:
         return self.max_tokens * self.heads_per_rank
 
-    @property
+    @cached_property
     def block_rows(self) -> int:
         return max(1, min(64, 8192 // self.padded_dim, _next_pow2(self.rows_max)))
 
-    @property
+    @cached_property
     def tiles_max(self) -> int:
         return -(-self.rows_max // self.block_rows)
 
-    @property
+    @cached_property
     def flag_offset(self) -> int:
         return STATE_BYTES
 
-    @property
+    @cached_property
     def recv_offset(self) -> int:
         return _align(self.flag_offset + 2 * self.world * self.tiles_max * 8)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return _align(self.recv_offset + 2 * self.world * self.rows_max * self.row_elems * 2)
 
