@@ -18,3 +18,17 @@ def test_bench_cpu_writes_results(tmp_path):
     assert all(r["backend"] == "nccl" or r["speedup"] > 0 for r in rows)
     assert (tmp_path / "results.csv").read_text().count("\n") == 5
     assert runs[-1]["provenance"]["torch"]
+
+
+def test_plots_drawn_from_the_data(tmp_path):
+    """Both figures from a run where both backends ran, one panel per group size."""
+    from bench.plot import plot
+
+    rows = [dict(world=n, B=b, backend=be, head_dim=64, mode="eager", median_us=b * n * (1.0 if be == "triton" else 2.0),
+                 speedup=2.0 if be == "triton" else 1.0)
+            for n in (2, 3) for b in (1, 2, 4) for be in ("triton", "nccl")]
+    data = tmp_path / "results.json"
+    data.write_text(json.dumps([{"rows": rows, "provenance": {"gpus": [], "torch": "t", "triton": "t"}}]))
+    written = plot(str(data), str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[-1] for p in written) == ["latency.png", "speedup.png"]
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
