@@ -20,10 +20,10 @@ import tempfile
 
 import torch
 
+from dcp.protocol import ChannelLayout
 from dcp.spawn import World
 from bench import ranks
 
-COPY_RATE_DEFAULT = 4.2e12  # bytes/s read + written on one H200 (DESIGN section 6), if not measured
 
 
 def _sh(cmd: str) -> str:
@@ -97,7 +97,7 @@ def copy_rate() -> float:
 def floor_bytes(n: int, B: int, hn: int, d: int, shared_device: bool) -> int:
     """Bytes one rank must move (read input, write packed rows, read them back, write output);
     all ranks together where they share one device's memory."""
-    H, row = hn * n, (d + 2 + 7) // 8 * 8
+    H, row = hn * n, ChannelLayout(n, hn, d, B).row_elems
     per_rank = B * H * (2 * d + 4) + 2 * B * H * row * 2 + B * hn * d * 2
     return per_rank * (n if shared_device else 1)
 

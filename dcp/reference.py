@@ -21,6 +21,17 @@ def lse_combine_reference(outs: list, lses: list, base_e: bool = True):
     return out, glse
 
 
+def chunk_reference(outs: list, lses: list, rank: int, heads_per_rank: int, base_e: bool = True):
+    """The float64 reference of head chunk ``rank``: what that rank's call must return."""
+    mine = slice(rank * heads_per_rank, (rank + 1) * heads_per_rank)
+    return lse_combine_reference([o[:, mine] for o in outs], [l[:, mine] for l in lses], base_e)
+
+
+def max_rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |y - ref| / (1 + |ref|), with ``y`` read as float64 on the CPU."""
+    return ((y.double().cpu() - ref).abs() / (1 + ref.abs())).max().item()
+
+
 def make_inputs(seed: int, world: int, B: int, H: int, D: int, dtype, lse_dtype=torch.float32,
                 special: bool = False):
     """Inputs of every rank, identical in every process that draws them with the same seed.

@@ -20,9 +20,7 @@ class RankError(RuntimeError):
 
     def __init__(self, failures: dict):
         self.failures = failures
-        first = next(iter(failures.values()))
-        super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, (_, tb) in failures.items())
-                         if first else "rank failed")
+        super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, (_, tb) in failures.items()))
 
     def types(self) -> set:
         return {name for name, _ in self.failures.values()}
