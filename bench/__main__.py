@@ -115,6 +115,7 @@ def main(argv=None) -> None:
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"])
     p.add_argument("--modes", nargs="+", default=["eager", "graph", "graph8"] if cuda else ["eager"])
     p.add_argument("--iters", type=int, default=200 if cuda else 5)
+    p.add_argument("--num-warps", type=int, default=4, help="warps per program of the kernels")
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
     p.add_argument("--out", default="results", help="folder for results.csv and results.json")
     args = p.parse_args(argv)
@@ -136,12 +137,13 @@ def main(argv=None) -> None:
                     if backend == "nccl" and cuda and shared:
                         continue  # NCCL refuses two ranks on one GPU
                     for d in args.head_dim:
-                        w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend)
+                        w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
+                              args.num_warps)
                         for B in args.batch:
                             for mode in args.modes:
                                 res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
-                                                 backend, rate, shared, cuda))
+                                                 backend, rate, shared, cuda, args.num_warps))
                                 print(f"\r[{len(rows)}] N={n} {backend} D={d} B={B} {mode}: "
                                       f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
             finally:
@@ -164,12 +166,12 @@ def main(argv=None) -> None:
     print(format_table(rows))
 
 
-def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda) -> dict:
+def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
     size = n * B * hn * (d + 2) * 2
     floor_us = floor_bytes(n, B, hn, d, shared) / rate * 1e6 if cuda else float("nan")
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d,
-                heads_per_rank=hn, B=B, mode=mode, backend=backend, size_bytes=size,
+                heads_per_rank=hn, B=B, mode=mode, backend=backend, num_warps=num_warps, size_bytes=size,
                 **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
                 algbw_GBps=size / worst["median_us"] / 1e3,
                 busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n,

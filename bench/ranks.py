@@ -16,12 +16,14 @@ def _percentiles(xs: list) -> dict:
     return {"median_us": statistics.median(xs), "p10_us": q(0.1), "p90_us": q(0.9)}
 
 
-def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: str, backend: str) -> str:
+def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: str, backend: str,
+          num_warps: int = 4) -> str:
     if "comm" in state:
         state.pop("comm").close()
     n = dist.get_world_size()
     state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=max_tokens, num_heads=heads_per_rank * n,
-                                head_dim=head_dim, dtype=torch.bfloat16, device=device, backend=backend)
+                                head_dim=head_dim, dtype=torch.bfloat16, device=device, backend=backend,
+                                num_warps=num_warps)
     return repr(state["comm"])
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kernels import CTL_STATUS, CTL_WORDS, STATUS_WORDS, build_kernels
+from kernels import (CTL_STATUS, CTL_WORDS, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS,
+                     build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
 from dcp.protocol import ChannelLayout, raise_status, status_words
@@ -24,28 +25,27 @@ class _Launcher:
     Triton's JIT entry point rebinds the arguments, recomputes the specialization key and rechecks
     the kernel's globals on every launch: most of an eager call's host time on the H200 host
     (``python -m bench.host_time``). A loaded variant needs none of that. ``variant`` must
-    determine everything Triton specializes on: ``DcpAllToAll._variant`` says what that is.
-    On CPU tensors the interpreter runs the kernel.
+    determine everything Triton specializes on (``DcpAllToAll._variant``; its second field says
+    whether rows are 16-byte aligned). On CPU tensors the interpreter runs the kernel.
     """
 
-    def __init__(self, kernel, device: torch.device, constexprs: dict):
-        self.kernel, self.cuda, self.constexprs = kernel, device.type == "cuda", constexprs
-        self.compiled: dict = {}
-        self.constexpr_args: dict = {}
+    def __init__(self, kernel, device: torch.device, constexprs: dict, num_warps: int):
+        self.kernel, self.cuda, self.constexprs, self.num_warps = kernel, device.type == "cuda", constexprs, num_warps
+        self.compiled: dict = {}  # variant -> (compiled kernel, the constexprs' positional values)
 
-    def __call__(self, variant: tuple, grid: int, aligned: bool, *args) -> None:
-        compiled = self.compiled.get(variant) if self.cuda else None
-        if compiled is not None:
-            compiled[(grid, 1, 1)](*args, *self.constexpr_args[aligned])
+    def __call__(self, variant: tuple, grid: int, *args) -> None:
+        hit = self.compiled.get(variant) if self.cuda else None
+        if hit is not None:
+            hit[0][(grid, 1, 1)](*args, *hit[1])
             return
-        kwargs = dict(self.constexprs, ALIGNED=aligned)
+        kwargs = dict(self.constexprs, ALIGNED=variant[1])
         if not self.cuda:
             with np.errstate(all="ignore"):  # the interpreter also evaluates masked-off lanes
-                self.kernel[(grid,)](*args, num_warps=4, **kwargs)
+                self.kernel[(grid,)](*args, num_warps=self.num_warps, **kwargs)
             return
-        self.compiled[variant] = self.kernel[(grid,)](*args, num_warps=4, **kwargs)
-        # The launcher takes every parameter in order; it ignores the constexprs' values.
-        self.constexpr_args[aligned] = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
+        compiled = self.kernel[(grid,)](*args, num_warps=self.num_warps, **kwargs)
+        # The handle takes every parameter in order; it ignores the constexprs' values.
+        self.compiled[variant] = (compiled, tuple(kwargs[name] for name in self.kernel.arg_names[len(args):]))
 
 
 class TritonTransport:
@@ -54,11 +54,13 @@ class TritonTransport:
     name = "triton"
 
     def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
-                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool):
+                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool):
         self.group, self.layout, self.device, self.max_programs = group, layout, device, max_programs
         self.rank = dist.get_rank(group)
         self.fused = _Launcher(build_kernels(interpret=device.type == "cpu").fused, device,
-                               dict(layout.constexprs(), GPU_SCOPE=gpu_scope))
+                               dict(layout.constexprs(), GPU_SCOPE=gpu_scope, TRACE=trace), layout.num_warps)
+        self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
+                       for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []
         self.status_addr, self._status_keep = 0, None
         provider = provider_for(device)
@@ -70,7 +72,8 @@ class TritonTransport:
             self.ctl = []
             for c, region in enumerate(self.regions):
                 words = list(region.peers) + [0] * (CTL_STATUS - layout.world)
-                words += [self.status_addr + 4 * STATUS_WORDS * c, int(timeout_s * 1e9)]
+                words += [self.status_addr + 4 * STATUS_WORDS * c, int(timeout_s * 1e9),
+                          self.traces[c].data_ptr() if self.traces else 0]
                 self.ctl.append(torch.tensor(words[:CTL_WORDS], dtype=torch.int64, device=device))
         except BaseException:
             self.close()
@@ -87,14 +90,20 @@ class TritonTransport:
 
     def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
         n_tiles = -(-n_tokens * self.layout.heads_per_rank // self.layout.block_rows)
-        aligned = variant[1]
-        div = 8 if aligned else 1
+        div = 8 if variant[1] else 1
         (s_po_b, s_po_h, _), (s_y_b, s_y_h, _) = po.stride(), y.stride()
-        self.fused(variant, max(1, min(n_tiles, self.max_programs)), aligned,
+        self.fused(variant, max(1, min(n_tiles, self.max_programs)),
                    po, lse, y, y_lse, self.ctl[channel], n_tokens, self.rank,
                    s_po_b // div, s_po_h // div, lse.stride(0), lse.stride(-1),
                    s_y_b // div, s_y_h // div, y_lse.stride(0), y_lse.stride(-1),
                    int(write_lse), _LOG2E if base_e else 1.0)
+
+    def trace_records(self, channel: int) -> torch.Tensor:
+        """The traced calls' records, by epoch: int64 [calls, programs, TRACE_WORDS]."""
+        ring = self.traces[channel].cpu()
+        order = torch.argsort(ring[:, 0, 0])
+        ring = ring[order]
+        return ring[ring[:, 0, 0] > 0]
 
     def check(self, channels: int) -> None:
         for c in range(channels):
@@ -117,7 +126,7 @@ class TritonTransport:
     def close(self) -> None:
         for region in self.regions:
             region.close()
-        self.regions = []
+        self.regions, self.traces = [], []
         if self.status_addr and self.device.type == "cuda":
             cudart.free_host(self.status_addr)
         self.status_addr, self._status_keep = 0, None
@@ -137,25 +146,27 @@ class NcclTransport:
                  channels: int):
         self.group, self.layout, self.device = group, layout, device
         kernels = build_kernels(interpret=device.type == "cpu")
-        constexprs = dict(N=layout.world, HN=layout.heads_per_rank, D=layout.head_dim,
-                          DP=layout.padded_dim, ROW=layout.row_elems, BLOCK_R=layout.block_rows)
-        self.pack = _Launcher(kernels.pack, device, constexprs)
-        self.combine = _Launcher(kernels.combine, device, constexprs)
+        constexprs = dict(list(layout.constexprs().items())[:7])
+        self.pack = _Launcher(kernels.pack, device, constexprs, layout.num_warps)
+        self.combine = _Launcher(kernels.combine, device, constexprs, layout.num_warps)
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
+        # The group's first collective sets up its communicator: here, not inside a capture.
+        dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
 
     def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
+        """With n_tokens == 0: compiles and loads the variant, touching no row and no peer."""
         lay = self.layout
-        n_tiles = -(-n_tokens * lay.heads_per_rank // lay.block_rows)
-        aligned = variant[1]
-        div = 8 if aligned else 1
+        grid = max(1, -(-n_tokens * lay.heads_per_rank // lay.block_rows))
+        div = 8 if variant[1] else 1
         used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
         send, recv = self.send[channel][:used], self.recv[channel][:used]
-        self.pack(variant, n_tiles, aligned, po, lse, send, n_tokens,
+        self.pack(variant, grid, po, lse, send, n_tokens,
                   po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1))
-        dist.all_to_all_single(recv, send, group=self.group)
-        self.combine(variant, n_tiles, aligned, recv, y, y_lse, n_tokens, y.stride(0) // div,
+        if n_tokens:
+            dist.all_to_all_single(recv, send, group=self.group)
+        self.combine(variant, grid, recv, y, y_lse, n_tokens, y.stride(0) // div,
                      y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1), int(write_lse),
                      _LOG2E if base_e else 1.0)
 

@@ -63,13 +63,16 @@ class DcpAllToAll:
     ``backend``: ``"triton"`` (fused push into peers' buffers), ``"nccl"`` (pack, the group's
     all-to-all, combine) or ``"auto"`` (triton where every rank reaches every peer's buffer, else
     nccl, decided by all ranks together). ``None`` reads ``DCP_A2A_BACKEND`` (default ``auto``).
+
+    ``max_programs`` (default: SMs / ranks on the device) and ``num_warps`` size the kernel's grid
+    and programs. ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int = 64, num_heads: int = 0,
                  head_dim: int = 0, dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str, int]] = None, *,
                  backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
-                 max_programs: Optional[int] = None, check: Optional[bool] = None):
+                 max_programs: Optional[int] = None, num_warps: int = 4, check: Optional[bool] = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -84,15 +87,17 @@ class DcpAllToAll:
         self.check_calls = bool(check) if check is not None else (env_check or self.device.type == "cpu")
         self._closed = True
 
-        geometry = (max_tokens, num_heads, head_dim, str(dtype), channels, self.world, requested)
+        self.num_warps = num_warps
+        self.tracing = os.environ.get("DCP_A2A_TRACE", "0") not in ("", "0")
+        geometry = (max_tokens, num_heads, head_dim, str(dtype), channels, self.world, requested, num_warps)
         where = self._where()
         facts = all_gather(group, (geometry, self._local_error(requested), where, self.device.index))
         agree(group, facts[self.rank][1], "DcpAllToAll construction")
         if any(f[0] != geometry for f in facts):
             raise DcpError("ranks disagree on the DcpAllToAll geometry (max_tokens, num_heads, head_dim, "
-                           f"dtype, channels, world, backend): {[f[0] for f in facts]}")
+                           f"dtype, channels, world, backend, num_warps): {[f[0] for f in facts]}")
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
-        self.layout = ChannelLayout(self.world, self.heads_per_rank, head_dim, max_tokens)
+        self.layout = ChannelLayout(self.world, self.heads_per_rank, head_dim, max_tokens, num_warps)
         self.max_programs = max_programs or self._default_programs()
         self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         self._ready: set = set()
@@ -136,6 +141,8 @@ class DcpAllToAll:
             return f"channels must be a positive integer; got {self.channels}"
         if self.device.type not in ("cuda", "cpu"):
             return f"device must be cuda or cpu; got {self.device}"
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            return f"num_warps must be a power of two from 1 to 16; got {self.num_warps!r}"
         return None
 
     def _default_programs(self) -> int:
@@ -182,7 +189,8 @@ class DcpAllToAll:
         if requested != "nccl" and obstacle is None:
             try:
                 transport = TritonTransport(self.group, self.layout, self.device, self.channels,
-                                            self.timeout_s, self.max_programs, self._gpu_scope())
+                                            self.timeout_s, self.max_programs, self._gpu_scope(),
+                                            self.tracing)
                 reason = "requested" if requested == "triton" else "every rank reaches every peer's buffer"
             except DcpError as exc:  # raised on every rank alike: the fallback is collective too
                 if requested == "triton":
@@ -219,8 +227,8 @@ class DcpAllToAll:
         no peer and no epoch. Called by the constructor.
         """
         self._check_open()
-        if self.device.type == "cpu" or self.backend != "triton":
-            return  # interpreted (nothing to compile), or nccl (its kernels never wait on peers)
+        if self.device.type == "cpu":
+            return  # interpreted: nothing to compile
         if partial_out is not None:
             y = out if out is not None else torch.empty(
                 (1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
@@ -236,7 +244,7 @@ class DcpAllToAll:
     def _load(self, key: tuple, po, lse, y) -> None:
         if key in self._ready:
             return
-        if self.device.type == "cuda" and self.backend == "triton":
+        if self.device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
                 raise DcpError(
                     f"the kernel variant for this call (LSE dtype {key[0]}, aligned layout {key[1]}) is "
@@ -341,6 +349,20 @@ class DcpAllToAll:
         if watchdog is not None:
             watchdog[0].set()
             watchdog[1].join()
+
+    def trace(self, channel: int = 0) -> torch.Tensor:
+        """The last traced calls of a channel (``DCP_A2A_TRACE=1``), ordered by epoch.
+
+        int64 ``[calls, programs, 6]``: epoch, then device times (ns, ``%globaltimer``) at which
+        each program started, had published its tiles, saw its last tile arrive, had combined, and
+        had advanced the epoch. Programs that did not run are zero. Synchronizes the device.
+        """
+        self._check_open()
+        if not self.tracing or self.backend != "triton":
+            raise DcpError("tracing is off: construct with DCP_A2A_TRACE=1 and the triton backend")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._transport.trace_records(channel)
 
     def memory_bytes(self) -> dict:
         """Bytes of persistent buffers this rank holds, per channel and in total."""

@@ -35,6 +35,7 @@ class ChannelLayout:
     heads_per_rank: int
     head_dim: int
     max_tokens: int
+    num_warps: int = 4
 
     @cached_property
     def padded_dim(self) -> int:  # power-of-two block width over the head dim
@@ -49,8 +50,13 @@ class ChannelLayout:
         return self.max_tokens * self.heads_per_rank
 
     @cached_property
-    def block_rows(self) -> int:
-        return max(1, min(64, 8192 // self.padded_dim, _next_pow2(self.rows_max)))
+    def padded_peers(self) -> int:  # a tile holds the rows of every peer: a power of two of them
+        return _next_pow2(self.world)
+
+    @cached_property
+    def block_rows(self) -> int:  # rows per tile: [peers, rows, D] blocks of 2048 values per warp
+        tile = 2048 * self.num_warps // (self.padded_peers * self.padded_dim)
+        return max(1, min(64, tile, _next_pow2(self.rows_max)))
 
     @cached_property
     def tiles_max(self) -> int:
@@ -69,7 +75,8 @@ class ChannelLayout:
         return _align(self.recv_offset + 2 * self.world * self.rows_max * self.row_elems * 2)
 
     def constexprs(self) -> dict:
-        return dict(N=self.world, HN=self.heads_per_rank, D=self.head_dim,
+        """The fused kernel's geometry; the NCCL path's kernels take the first seven."""
+        return dict(N=self.world, NP=self.padded_peers, HN=self.heads_per_rank, D=self.head_dim,
                     DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.block_rows,
                     ROWS_MAX=self.rows_max, TILES_MAX=self.tiles_max, FLAG_OFF=self.flag_offset,
                     RECV_OFF=self.recv_offset)

@@ -1,7 +1,9 @@
 """Triton kernels of the packed DCP all-to-all. Kernels only: no process groups, no allocation."""
 
-from kernels.lse_alltoall import (CTL_STATUS, CTL_TIMEOUT, CTL_WORDS, EPOCH_PERIOD, STATUS_MISMATCH,
-                                  STATUS_TIMEOUT, STATUS_WORDS, MAX_PEERS, build_kernels)
+from kernels.lse_alltoall import (CTL_STATUS, CTL_TIMEOUT, CTL_TRACE, CTL_WORDS, EPOCH_PERIOD, MAX_PEERS,
+                                  STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TRACE_CALLS,
+                                  TRACE_PROGRAMS, TRACE_WORDS, build_kernels)
 
-__all__ = ["CTL_STATUS", "CTL_TIMEOUT", "CTL_WORDS", "EPOCH_PERIOD", "STATUS_MISMATCH", "STATUS_TIMEOUT",
-           "STATUS_WORDS", "MAX_PEERS", "build_kernels"]
+__all__ = ["CTL_STATUS", "CTL_TIMEOUT", "CTL_TRACE", "CTL_WORDS", "EPOCH_PERIOD", "MAX_PEERS",
+           "STATUS_MISMATCH", "STATUS_TIMEOUT", "STATUS_WORDS", "TRACE_CALLS", "TRACE_PROGRAMS",
+           "TRACE_WORDS", "build_kernels"]

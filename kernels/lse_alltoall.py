@@ -43,9 +43,16 @@ STATUS_TIMEOUT = 1
 STATUS_MISMATCH = 2
 MAX_PEERS = 8
 
-CTL_STATUS = 8  # ctl[0:N] peer channel bases, ctl[8] status address, ctl[9] timeout (ns)
-CTL_TIMEOUT = 9
-CTL_WORDS = 10
+CTL_STATUS = 8  # ctl[0:N] peer channel bases, ctl[8] status address, ctl[9] timeout (ns),
+CTL_TIMEOUT = 9  # ctl[10] trace address (0 unless tracing)
+CTL_TRACE = 10
+CTL_WORDS = 11
+
+# The opt-in trace (constexpr TRACE): per call (ring of TRACE_CALLS, indexed by epoch) and program,
+# int64 [epoch, start, pushed, last tile arrived, combined, epoch advanced] in %globaltimer ns.
+TRACE_CALLS = 512
+TRACE_PROGRAMS = 256
+TRACE_WORDS = 6
 
 # The same values as constexprs, for use inside the kernels.
 _PERIOD = tl.constexpr(EPOCH_PERIOD)
@@ -53,37 +60,52 @@ _TIMEOUT = tl.constexpr(STATUS_TIMEOUT)
 _MISMATCH = tl.constexpr(STATUS_MISMATCH)
 _CTL_STATUS = tl.constexpr(CTL_STATUS)
 _CTL_TIMEOUT = tl.constexpr(CTL_TIMEOUT)
+_CTL_TRACE = tl.constexpr(CTL_TRACE)
+_TRACE_CALLS = tl.constexpr(TRACE_CALLS)
+_TRACE_PROGRAMS = tl.constexpr(TRACE_PROGRAMS)
+_TRACE_WORDS = tl.constexpr(TRACE_WORDS)
 _MISMATCH_AFTER_NS = tl.constexpr(20_000)
 
 
 # --- shared by both paths ------------------------------------------------------------------------
+# A tile is BLOCK_R rows of the flattened [B * HN] (token, head) space of one head chunk, taken for
+# every peer at once: pushes and combines move [NP, BLOCK_R, DP] blocks in one load and one store,
+# so a tile costs one memory round trip however many peers there are. NP is N rounded up to a
+# power of two; the padding peers are masked off.
 
 def _tile_rows(t, n_rows, HN: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Tile t of the flattened [B * HN] (token, head) rows: rows, their mask, token, head."""
+    """Tile t: its rows, their mask, token and head within the chunk."""
     rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
     return rows, rows < n_rows, (rows // HN).to(tl.int64), rows % HN
 
 
-def _pack_rows(po, lse, dst16, dst32, dst_row, rmask, tok, head, c_off, cmask,
-               s_po_b, s_po_h, s_lse_b, s_lse_h, ROW: tl.constexpr, D: tl.constexpr):
-    """Store rows (token, head) of the input as packed rows: D values, then the fp32 LSE."""
-    vals = tl.load(po + tok[:, None] * s_po_b + head[:, None] * s_po_h + c_off[None, :],
-                   mask=rmask[:, None] & cmask[None, :])
-    lv = tl.load(lse + tok * s_lse_b + head * s_lse_h, mask=rmask).to(tl.float32)
-    tl.store(dst16 + dst_row[:, None] * ROW + c_off[None, :], vals.to(tl.int16, bitcast=True),
-             mask=rmask[:, None] & cmask[None, :])
-    tl.store(dst32 + (dst_row * ROW + D) // 2, lv, mask=rmask)
+def _pack_tile(po, lse, dst16, rows, rmask, tok, hh, peer, c_off, cmask,
+               s_po_b, s_po_h, s_lse_b, s_lse_h, N: tl.constexpr, HN: tl.constexpr,
+               ROW: tl.constexpr, D: tl.constexpr):
+    """Store rows (token, head) of every peer's head chunk as packed rows (D values, fp32 LSE) at
+    row ``rows`` of that peer's destination ``dst16[peer]``."""
+    m2 = (peer < N)[:, None] & rmask[None, :]
+    m3 = m2[:, :, None] & cmask[None, None, :]
+    head = peer[:, None] * HN + hh[None, :]
+    vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :], mask=m3)
+    lv = tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
+    drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
+    tl.store(drow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True), mask=m3)
+    tl.store((drow + D).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
 
 
-def _combine_rows(src16, src32, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse,
-                  log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr,
-                  ROW: tl.constexpr, D: tl.constexpr):
+def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
+                  N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
+                  D: tl.constexpr):
     """LSE-weighted combine of the packed rows of N sources (source s at row0 + s * src_stride).
 
+    Source by source in [BLOCK_R, DP] blocks, in the layout of the output: a reduction over a peer
+    axis would go through shared memory. The loads do not depend on each other, so they overlap.
     NaN and +inf LSEs count as -inf; a source of weight 0 contributes nothing even if its values
     are NaN or inf; where every source is empty the result is 0 and the LSE -inf.
     """
     out_ty = y_ptrs.dtype.element_ty
+    src32 = src16.to(tl.pointer_type(tl.float32), bitcast=True)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in tl.static_range(N):
         lv = tl.load(src32 + ((row0 + s * src_stride) * ROW + D) // 2, mask=rmask, other=float("-inf"))
@@ -106,6 +128,20 @@ def _combine_rows(src16, src32, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off,
         tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
 
 
+def _stamp(x, TRACE: tl.constexpr):
+    """The device time for the opt-in trace; compiled out without it."""
+    if TRACE:
+        return _now(x)
+    return tl.full([], 0, tl.int64)
+
+
+def _scale_strides(a, b, c, d, ALIGNED: tl.constexpr):
+    """Strides come divided by 8 when rows are 16-byte aligned: the product proves it."""
+    if ALIGNED:
+        return a * 8, b * 8, c * 8, d * 8
+    return a, b, c, d
+
+
 # --- the fused kernel ----------------------------------------------------------------------------
 
 def lse_alltoall_kernel(
@@ -113,18 +149,16 @@ def lse_alltoall_kernel(
     n_tokens, rank,
     s_po_b, s_po_h, s_lse_b, s_lse_h, s_y_b, s_y_h, s_yl_b, s_yl_h,
     write_lse, log2_scale,
-    N: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
     FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     if n_tokens > 0:  # n_tokens == 0 is a load-only launch: touches nothing
-        if ALIGNED:  # strides were passed divided by 8: the product proves 16-byte rows
-            s_po_b = s_po_b * 8
-            s_po_h = s_po_h * 8
-            s_y_b = s_y_b * 8
-            s_y_h = s_y_h * 8
+        t_start = _stamp(pid, TRACE)
+        s_po_b, s_po_h, s_y_b, s_y_h = _scale_strides(s_po_b, s_po_h, s_y_b, s_y_h, ALIGNED)
         local = tl.load(ctl + rank)
         status = tl.load(ctl + _CTL_STATUS).to(tl.pointer_type(tl.int32))
         timeout = tl.load(ctl + _CTL_TIMEOUT)
@@ -135,70 +169,72 @@ def lse_alltoall_kernel(
         n_tiles = (n_rows + BLOCK_R - 1) // BLOCK_R
         c_off = tl.arange(0, DP)
         cmask = c_off < D
+        peer = tl.arange(0, NP)
+        # Padding peers alias the last real one: only flag words (same value, same address) and
+        # loads use these addresses unmasked.
+        bases = tl.load(ctl + tl.minimum(peer, N - 1))
+        mine = slot * N + rank  # this rank's slot row in every destination
 
         # Push: pack each tile for every destination straight into its receive slot, then publish.
+        dst16 = tl.multiple_of((bases + RECV_OFF).to(tl.pointer_type(tl.int16)), 16) + mine.to(tl.int64) * (ROWS_MAX * ROW)
+        dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int32)) + mine * TILES_MAX * 2
         t = pid
         while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
             rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
-            dst_row = ((slot * N + rank) * ROWS_MAX + rows).to(tl.int64)
-            flag_idx = ((slot * N + rank) * TILES_MAX + t) * 2
-            for d in tl.static_range(N):
-                base = tl.load(ctl + d)
-                _pack_rows(po, lse, tl.multiple_of((base + RECV_OFF).to(tl.pointer_type(tl.int16)), 16),
-                           (base + RECV_OFF).to(tl.pointer_type(tl.float32)), dst_row, rmask, tok,
-                           d * HN + hh, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, ROW, D)
-                tl.store((base + FLAG_OFF).to(tl.pointer_type(tl.int32)) + flag_idx + 1, n_tokens)
-            # Fence pattern: all threads' stores, a CTA barrier, one system-scope fence, then
-            # relaxed flag stores to every peer at once (no serialized release per peer).
+            _pack_tile(po, lse, dst16, rows, rmask, tok, hh, peer, c_off, cmask,
+                       s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, ROW, D)
+            tl.store(dst_flags + t * 2 + 1, n_tokens, mask=peer < N)
+            # Fence pattern: all threads' stores, a CTA barrier, one fence, then relaxed flag
+            # stores to every peer at once (no serialized release per peer).
             tl.debug_barrier()
             _fence(e, GPU_SCOPE)
-            for d in tl.static_range(N):
-                _store_relaxed((tl.load(ctl + d) + FLAG_OFF).to(tl.pointer_type(tl.int32)) + flag_idx, e, GPU_SCOPE)
+            _store_relaxed(dst_flags + t * 2, e, GPU_SCOPE)
             t += G
+        t_pushed = _stamp(t, TRACE)
 
         # Wait and combine: a bounded spin on the tile's flags from every source (relaxed loads,
         # then one fence: the acquire pattern). The B carried with each flag exposes ranks that
-        # entered the call with different sizes.
-        flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int32))
+        # entered the call with different sizes. (Source by source: the interpreter cannot run
+        # Triton's reductions.)
+        flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int32)) + slot * N * TILES_MAX * 2
         recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
-        recv32 = (local + RECV_OFF).to(tl.pointer_type(tl.float32))
+        t_arrived = t_pushed
         t = pid
         while t < n_tiles:
             # Once a program of this call has given up, the others give up at once too.
             timeout = tl.where(_call_failed(status, e), 0, timeout).to(tl.int64)
-            start = _now(e)
+            start = _now(t)
             code = 0
             while code == 0:
                 n_arrived = 0
                 for s in tl.static_range(N):
-                    n_arrived += (_load_relaxed(flags + ((slot * N + s) * TILES_MAX + t) * 2, GPU_SCOPE) == e).to(tl.int32)
-                waited = _now(e) - start
+                    n_arrived += (_load_relaxed(flags + (s * TILES_MAX + t) * 2, GPU_SCOPE) == e).to(tl.int32)
+                waited = _now(t) - start
                 code = tl.where(n_arrived == N, -1, tl.where(waited > timeout, _TIMEOUT, 0))
                 # A size mismatch shows as tile 0 arriving with another B while this tile never
                 # does (the sender has fewer tiles); look only once the wait is not short, so the
                 # fast spin reads nothing else.
                 if (code == 0) & (waited > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
-                        src_flags = flags + (slot * N + s) * TILES_MAX * 2
-                        if _load_relaxed(src_flags, GPU_SCOPE) == e:
+                        if _load_relaxed(flags + s * TILES_MAX * 2, GPU_SCOPE) == e:
                             _fence(e, GPU_SCOPE)  # the flag before the B it publishes
-                            if _load_relaxed(src_flags + 1, GPU_SCOPE) != n_tokens:
+                            if _load_relaxed(flags + s * TILES_MAX * 2 + 1, GPU_SCOPE) != n_tokens:
                                 code = _MISMATCH
                 _pause()
             _fence(e, GPU_SCOPE)
             if code < 0:
                 for s in tl.static_range(N):
-                    if _load_relaxed(flags + ((slot * N + s) * TILES_MAX + t) * 2 + 1, GPU_SCOPE) != n_tokens:
+                    if _load_relaxed(flags + (s * TILES_MAX + t) * 2 + 1, GPU_SCOPE) != n_tokens:
                         code = _MISMATCH
             tl.debug_barrier()
+            t_arrived = _stamp(t, TRACE)
 
             rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
             y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
             yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
             if code < 0:
-                _combine_rows(recv16, recv32, (slot * N * ROWS_MAX + rows).to(tl.int64), ROWS_MAX,
-                              y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
-                              N, BLOCK_R, DP, ROW, D)
+                _combine_rows(recv16, (slot * N * ROWS_MAX + rows).to(tl.int64), ROWS_MAX, y_ptrs, yl_ptrs,
+                              rmask, c_off, cmask, write_lse, log2_scale, N, BLOCK_R, DP, ROW, D)
             else:
                 # Never leave stale rows behind: what could not be combined reads as NaN.
                 tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(y.dtype.element_ty),
@@ -210,7 +246,7 @@ def lse_alltoall_kernel(
                     tl.store(status + 2, t)
                     tl.store(status + 3, n_tokens)
                     for s in tl.static_range(N):
-                        src_flags = flags + (slot * N + s) * TILES_MAX * 2
+                        src_flags = flags + s * TILES_MAX * 2
                         got = _load_relaxed(src_flags + t * 2, GPU_SCOPE) == e
                         got_first = _load_relaxed(src_flags, GPU_SCOPE) == e
                         tl.store(status + 4 + s, (~got).to(tl.int32))
@@ -220,46 +256,50 @@ def lse_alltoall_kernel(
             # After one failed wait the call is lost: later tiles look once and give up.
             timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
             t += G
+        t_combined = _stamp(t, TRACE)
 
         # Advance the epoch once per call, after every program has read it: the last to arrive.
         arrived_before = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
         if arrived_before == G - 1:
             tl.store(state + 1, 0)
             tl.store(state, e % _PERIOD)
+        if TRACE:
+            if pid < _TRACE_PROGRAMS:
+                rec = tl.load(ctl + _CTL_TRACE).to(tl.pointer_type(tl.int64)) + (
+                    (e % _TRACE_CALLS) * _TRACE_PROGRAMS + pid) * _TRACE_WORDS
+                tl.store(rec + 1, t_start)
+                tl.store(rec + 2, t_pushed)
+                tl.store(rec + 3, t_arrived)
+                tl.store(rec + 4, t_combined)
+                tl.store(rec + 5, _now(arrived_before))
+                tl.store(rec, e.to(tl.int64))
 
 
 # --- the NCCL reference path ---------------------------------------------------------------------
 
 def pack_kernel(po, lse, send, n_tokens, s_po_b, s_po_h, s_lse_b, s_lse_h,
-                N: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                 ROW: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
     """Pack the chunk of every destination d into send[d, :B * HN] (rows of ROW int16)."""
-    if ALIGNED:
-        s_po_b = s_po_b * 8
-        s_po_h = s_po_h * 8
+    s_po_b, s_po_h, _, _ = _scale_strides(s_po_b, s_po_h, 0, 0, ALIGNED)
     n_rows = n_tokens * HN
     rows, rmask, tok, hh = _tile_rows(tl.program_id(0), n_rows, HN, BLOCK_R)
     c_off = tl.arange(0, DP)
-    send16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16)
-    send32 = send.to(tl.pointer_type(tl.float32), bitcast=True)
-    for d in tl.static_range(N):
-        _pack_rows(po, lse, send16, send32, (d * n_rows + rows).to(tl.int64), rmask, tok, d * HN + hh,
-                   c_off, c_off < D,
-                   s_po_b, s_po_h, s_lse_b, s_lse_h, ROW, D)
+    peer = tl.arange(0, NP)
+    dst16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16) + (peer * n_rows).to(tl.int64) * ROW
+    _pack_tile(po, lse, dst16, rows, rmask, tok, hh, peer, c_off, c_off < D,
+               s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, ROW, D)
 
 
 def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write_lse, log2_scale,
-                   N: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                   N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                    ROW: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
     """Combine recv[s, :B * HN] over the N sources into this rank's head chunk."""
-    if ALIGNED:
-        s_y_b = s_y_b * 8
-        s_y_h = s_y_h * 8
+    s_y_b, s_y_h, _, _ = _scale_strides(s_y_b, s_y_h, 0, 0, ALIGNED)
     n_rows = n_tokens * HN
     rows, rmask, tok, hh = _tile_rows(tl.program_id(0), n_rows, HN, BLOCK_R)
     c_off = tl.arange(0, DP)
-    _combine_rows(tl.multiple_of(recv.to(tl.pointer_type(tl.int16), bitcast=True), 16),
-                  recv.to(tl.pointer_type(tl.float32), bitcast=True), rows.to(tl.int64), n_rows,
+    _combine_rows(tl.multiple_of(recv.to(tl.pointer_type(tl.int16), bitcast=True), 16), rows.to(tl.int64), n_rows,
                   y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :],
                   y_lse + tok * s_yl_b + hh * s_yl_h, rmask, c_off, c_off < D, write_lse, log2_scale,
                   N, BLOCK_R, DP, ROW, D)
@@ -268,29 +308,18 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
 # --- helpers that differ by execution mode -------------------------------------------------------
 
 def _load_relaxed_gpu(ptr, GPU_SCOPE: tl.constexpr):
-    if GPU_SCOPE:
-        return tl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    return tl.inline_asm_elementwise("ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", [ptr],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("ld.relaxed." + ("gpu" if GPU_SCOPE else "sys") + ".global.b32 $0, [$1];", "=r,l",
+                                     [ptr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _store_relaxed_gpu(ptr, val, GPU_SCOPE: tl.constexpr):
-    if GPU_SCOPE:
-        tl.inline_asm_elementwise("st.relaxed.gpu.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("st.relaxed.sys.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("st.relaxed." + ("gpu" if GPU_SCOPE else "sys") + ".global.b32 [$1], $2;\n\tmov.u32 $0, 0;",
+                              "=r,l,r", [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _fence_gpu(x, GPU_SCOPE: tl.constexpr):
-    if GPU_SCOPE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [x],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r,r", [x],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("fence.acq_rel." + ("gpu" if GPU_SCOPE else "sys") + ";\n\tmov.u32 $0, 0;", "=r,r", [x],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _now_gpu(x):
@@ -332,7 +361,7 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_tile_rows, _pack_rows, _combine_rows)
+_SHARED_HELPERS = (_tile_rows, _pack_tile, _combine_rows, _stamp, _scale_strides)
 _INT_ARGS = ["n_tokens", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]
 _built: dict = {}

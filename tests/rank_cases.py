@@ -506,3 +506,26 @@ def readme_wiring(state, seed: int, readme_snippet: str) -> float:
     for name in names:
         del sys.modules[name]
     return max_rel_error(y, ref)
+
+
+def traced_calls(state, seed: int, B: int, calls: int) -> list:
+    """Checked calls with the trace compiled in; returns the records (and that tracing off raises)."""
+    untraced = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=2 * dist.get_world_size(), head_dim=16)
+    try:
+        untraced.trace()
+        raise AssertionError("trace() without DCP_A2A_TRACE=1 returned")
+    except DcpError as exc:
+        assert "DCP_A2A_TRACE" in str(exc)
+    finally:
+        untraced.close()
+    os.environ["DCP_A2A_TRACE"] = "1"
+    try:
+        state["trace"] = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=2 * dist.get_world_size(),
+                                     head_dim=16)
+    finally:
+        del os.environ["DCP_A2A_TRACE"]
+    for i in range(calls):
+        lse_case(state, "trace", seed + i, B, use_out=True)
+    records = state["trace"].trace().numpy()
+    state.pop("trace").close()
+    return records

@@ -1,9 +1,11 @@
 """CPU tier: the real kernels under Triton's interpreter, one process per rank, host shared memory."""
 
+import numpy as np
 import pytest
 
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
+from dcp.protocol import ChannelLayout
 from dcp.spawn import RankError
 
 # (N, heads per rank, head dim): odd head counts and a head dim that is not a power of two included.
@@ -70,3 +72,26 @@ def test_ranks_disagreeing_on_geometry_fail_together(worlds):
 def test_rank_errors_are_reported(worlds):
     with pytest.raises(RankError):
         worlds(2).run(rc.lse_case, "missing-key", 0, B=1)
+
+
+def test_trace_records_every_call_in_order(worlds):
+    """The opt-in trace: one record per call and program, stamps in protocol order; the bench's
+    phase split reads them."""
+    from bench.trace import phases
+
+    calls, B = 5, 40
+    recs = worlds(3).run(rc.traced_calls, fresh_seed(), B=B, calls=calls)
+    lay = ChannelLayout(world=3, heads_per_rank=2, head_dim=16, max_tokens=B)
+    programs = min(-(-B * 2 // lay.block_rows), 4)  # tiles, at most the CPU's 4 programs
+    assert programs > 1
+    for r in recs:
+        assert r.shape[0] == calls and list(r[:, 0, 0]) == list(range(1, calls + 1))
+        used = r[..., 1] > 0
+        n_used = used.sum(-1)
+        assert (n_used == programs).all()
+        assert (r[~used] == 0).all(), "a program that did not run left a record"
+        stamps = r[used][:, 1:]
+        assert (stamps > 0).all() and (stamps[:, 1:] >= stamps[:, :-1]).all(), "stamps out of protocol order"
+        assert (r[used][:, 0] == np.repeat(np.arange(1, calls + 1), n_used[0])).all()
+    split = phases(recs, calls=calls)  # as if one graph held them all
+    assert split["period"] > 0 and split["push"] >= 0 and split["combine"] >= 0 and split["peer_wait"] >= 0
