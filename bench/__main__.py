@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from dcp.protocol import ChannelLayout
+from dcp.protocol import NUM_WARPS, ChannelLayout
 from dcp.spawn import World
 from bench import ranks
 
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"])
     p.add_argument("--modes", nargs="+", default=["eager", "graph", "graph8"] if cuda else ["eager"])
     p.add_argument("--iters", type=int, default=200 if cuda else 5)
-    p.add_argument("--num-warps", type=int, default=4, help="warps per program of the kernels")
+    p.add_argument("--num-warps", type=int, default=NUM_WARPS, help="warps per program of the kernels")
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
     p.add_argument("--out", default="results", help="folder for results.csv and results.json")
     args = p.parse_args(argv)

@@ -4,11 +4,12 @@
 
 Every rank replays a CUDA graph of ``--calls`` calls (like a model's layers) with the trace compiled
 in (``DCP_A2A_TRACE=1``). Device times (``%globaltimer``, one clock for all ranks of one GPU) split
-each call of each rank into: the gap since its previous call ended (kernel exit and launch), its
-pushes, the wait for the slowest peer to publish, the time from that peer's publish until this rank
-saw it (flag latency), the combine, and the epoch advance. The table gives medians over the calls
-after the first of each graph and over ranks. The trace costs a few timer reads and stores per
-program: times run slightly above the untraced benchmark's.
+each call of each rank into: the gap since its previous call had combined (epoch advance, kernel
+exit, next launch), its pushes up to the last flag published, the wait for the slowest peer to
+publish, the time from that peer's publish until this rank had seen every tile (flag latency), and
+the combine. The table gives medians over the calls after the first of each graph and over ranks.
+The trace costs a few timer reads and stores per program: times run slightly above the untraced
+benchmark's.
 """
 
 import argparse
@@ -21,14 +22,15 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
+from dcp.protocol import NUM_WARPS
 from dcp.reference import make_inputs
 from dcp.spawn import World
 
-PHASES = ("period", "gap", "push", "peer_wait", "flag", "combine", "advance")
+PHASES = ("period", "gap", "push", "peer_wait", "flag", "combine")
 
 
 def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_warps: int) -> np.ndarray:
-    """Rank side: replay the graph and return its calls' records, int64 [replays * calls, programs, 6]."""
+    """Rank side: replay the graph and return its calls' records, int64 [replays * calls, programs, 5]."""
     os.environ["DCP_A2A_TRACE"] = "1"
     n, rank = dist.get_world_size(), dist.get_rank()
     if "comm" in state:
@@ -60,16 +62,15 @@ def phases(per_rank: list, calls: int) -> dict:
     big = np.iinfo(np.int64).max
     start = np.where(used, recs[..., 1], big).min(-1)
     last = lambda i: np.where(used, recs[..., i], 0).max(-1)
-    pushed, arrived, combined, ended = last(2), last(3), last(4), last(5)
+    pushed, arrived, combined = last(2), last(3), last(4)
     slowest_push = pushed.max(0, keepdims=True)
     out = {
         "period": start[:, 1:] - start[:, :-1],
-        "gap": start[:, 1:] - ended[:, :-1],
+        "gap": start[:, 1:] - combined[:, :-1],
         "push": pushed - start,
         "peer_wait": slowest_push - pushed,
         "flag": arrived - np.maximum(pushed, slowest_push),
         "combine": combined - arrived,
-        "advance": ended - combined,
     }
     inner = (np.arange(recs.shape[1]) % calls) != 0  # calls after the first of their graph
     med = lambda v: float(np.median(v)) if v.size else float("nan")
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=512)
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-warps", type=int, default=NUM_WARPS)
     p.add_argument("--out", default="results")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kernels import (CTL_STATUS, CTL_WORDS, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS,
+from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS,
                      build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
@@ -92,7 +92,7 @@ class TritonTransport:
         n_tiles = -(-n_tokens * self.layout.heads_per_rank // self.layout.block_rows)
         div = 8 if variant[1] else 1
         (s_po_b, s_po_h, _), (s_y_b, s_y_h, _) = po.stride(), y.stride()
-        self.fused(variant, max(1, min(n_tiles, self.max_programs)),
+        self.fused(variant, max(1, min(n_tiles, self.max_programs, EPOCH_STRIDE)),
                    po, lse, y, y_lse, self.ctl[channel], n_tokens, self.rank,
                    s_po_b // div, s_po_h // div, lse.stride(0), lse.stride(-1),
                    s_y_b // div, s_y_h // div, y_lse.stride(0), y_lse.stride(-1),
@@ -112,7 +112,7 @@ class TritonTransport:
 
     def poke_epoch(self, channel: int, epoch: int) -> None:
         """Set a channel's device epoch (tests of the wrap-around); every rank must do the same."""
-        value = ctypes.c_int32(epoch)
+        value = ctypes.c_uint32(epoch * EPOCH_STRIDE)
         addr = self.regions[channel].local
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):

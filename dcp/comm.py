@@ -13,7 +13,7 @@ import torch.distributed as dist
 from kernels import MAX_PEERS
 from dcp.backends import NcclTransport, TritonTransport
 from dcp.errors import DcpError
-from dcp.protocol import ChannelLayout
+from dcp.protocol import NUM_WARPS, ChannelLayout
 from dcp.rendezvous import agree, all_gather
 
 log = logging.getLogger("dcp")
@@ -72,7 +72,7 @@ class DcpAllToAll:
                  head_dim: int = 0, dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str, int]] = None, *,
                  backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
-                 max_programs: Optional[int] = None, num_warps: int = 4, check: Optional[bool] = None):
+                 max_programs: Optional[int] = None, num_warps: int = NUM_WARPS, check: Optional[bool] = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -353,9 +353,9 @@ class DcpAllToAll:
     def trace(self, channel: int = 0) -> torch.Tensor:
         """The last traced calls of a channel (``DCP_A2A_TRACE=1``), ordered by epoch.
 
-        int64 ``[calls, programs, 6]``: epoch, then device times (ns, ``%globaltimer``) at which
-        each program started, had published its tiles, saw its last tile arrive, had combined, and
-        had advanced the epoch. Programs that did not run are zero. Synchronizes the device.
+        int64 ``[calls, programs, 5]``: epoch, then device times (ns, ``%globaltimer``) at which
+        each program started, had published its tiles, had seen all of its tiles arrive, and had
+        combined them. Programs that did not run are zero. Synchronizes the device.
         """
         self._check_open()
         if not self.tracing or self.backend != "triton":

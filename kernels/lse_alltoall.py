@@ -1,17 +1,17 @@
 """The DCP all-to-all kernels: the fused push kernel, and the pack / combine pair of the NCCL path.
 
 Fused (``lse_alltoall_kernel``, one launch per call). Every rank runs the same grid. Program ``p``
-walks the row tiles ``p, p + G, ...`` (a row is one (token, head) pair of the flattened
-``[B * H/N]`` space of a head chunk) in the same order on every rank: first it packs each tile for
-every destination straight into that destination's receive slot and publishes one flag per tile
-and destination, then it waits for the same tiles from every source and combines them. A waiting
-program only depends on programs with the same index on other ranks, which run the same walk, so
-the protocol needs no ordering between programs of one rank.
+owns the row tiles ``p, p + G, ...`` (a row is one (token, head) pair of the flattened
+``[B * H/N]`` space of a head chunk; a tile holds those rows for every peer) on every rank. It packs
+its tiles straight into every destination's receive slot, fences once and publishes one flag per
+tile and destination; then it waits for the same tiles from every source, fences once and combines
+them. A waiting program only depends on programs with the same index on other ranks, so the
+protocol needs no ordering between programs of one rank.
 
 Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp.protocol``)::
 
-    state  [epoch int32, arrivals int32]                          local only
-    flags  [2 slots][N sources][tiles][epoch int32, B int32]
+    state  [epoch * EPOCH_STRIDE uint32]                          local only
+    flags  [2 slots][N sources][tiles] int64: B << 32 | epoch
     recv   [2 slots][N sources][B_max * H/N rows][ROW int16]   row = D values, fp32 LSE, padding
 
 NCCL path (``pack_kernel``, ``all_to_all_single``, ``combine_kernel``): the same packed rows in a
@@ -33,8 +33,11 @@ import triton.language as tl
 
 # The epoch kept on the device runs over [0, EPOCH_PERIOD); a call uses e = epoch + 1, in
 # [1, EPOCH_PERIOD]. The period is even so that the slot parity e & 1 alternates across the wrap,
-# and e is never 0, the value of flags that were never written.
-EPOCH_PERIOD = 2**31 - 2
+# and e is never 0, the value of flags that were never written. The state word holds
+# epoch * EPOCH_STRIDE as a wrapping uint32: each call's programs add EPOCH_STRIDE together.
+EPOCH_SHIFT = 8
+EPOCH_STRIDE = 1 << EPOCH_SHIFT  # also the most programs a call may have
+EPOCH_PERIOD = 1 << (32 - EPOCH_SHIFT)
 
 # Status words, host-readable: [0] code, [1] epoch, [2] tile, [3] own B,
 # [4 + src] missing flag per source, [12 + src] B announced by that source.
@@ -49,13 +52,14 @@ CTL_TRACE = 10
 CTL_WORDS = 11
 
 # The opt-in trace (constexpr TRACE): per call (ring of TRACE_CALLS, indexed by epoch) and program,
-# int64 [epoch, start, pushed, last tile arrived, combined, epoch advanced] in %globaltimer ns.
+# int64 [epoch, start, published, every tile arrived, combined] in %globaltimer ns.
 TRACE_CALLS = 512
-TRACE_PROGRAMS = 256
-TRACE_WORDS = 6
+TRACE_PROGRAMS = EPOCH_STRIDE
+TRACE_WORDS = 5
 
 # The same values as constexprs, for use inside the kernels.
-_PERIOD = tl.constexpr(EPOCH_PERIOD)
+_SHIFT = tl.constexpr(EPOCH_SHIFT)
+_STRIDE = tl.constexpr(EPOCH_STRIDE)
 _TIMEOUT = tl.constexpr(STATUS_TIMEOUT)
 _MISMATCH = tl.constexpr(STATUS_MISMATCH)
 _CTL_STATUS = tl.constexpr(CTL_STATUS)
@@ -163,72 +167,79 @@ def lse_alltoall_kernel(
         status = tl.load(ctl + _CTL_STATUS).to(tl.pointer_type(tl.int32))
         timeout = tl.load(ctl + _CTL_TIMEOUT)
         state = local.to(tl.pointer_type(tl.int32))
-        e = tl.load(state, volatile=True) + 1
+        e = (tl.load(state, volatile=True).to(tl.uint32, bitcast=True) >> _SHIFT).to(tl.int32) + 1
         slot = e & 1
+        # A flag is one 64-bit word: the epoch, and the B its sender was called with above it.
+        want = (n_tokens.to(tl.int64) << 32) | e.to(tl.int64)
         n_rows = n_tokens * HN
         n_tiles = (n_rows + BLOCK_R - 1) // BLOCK_R
         c_off = tl.arange(0, DP)
         cmask = c_off < D
         peer = tl.arange(0, NP)
-        # Padding peers alias the last real one: only flag words (same value, same address) and
-        # loads use these addresses unmasked.
+        # Padding peers alias the last real one: only flag words (same value, same address) use
+        # these addresses unmasked.
         bases = tl.load(ctl + tl.minimum(peer, N - 1))
         mine = slot * N + rank  # this rank's slot row in every destination
 
-        # Push: pack each tile for every destination straight into its receive slot, then publish.
+        # Push: pack each tile for every destination straight into its receive slot; then one
+        # fence for all of them and a relaxed flag per tile and destination (the release pattern,
+        # paid once per program, not per tile or per peer).
         dst16 = tl.multiple_of((bases + RECV_OFF).to(tl.pointer_type(tl.int16)), 16) + mine.to(tl.int64) * (ROWS_MAX * ROW)
-        dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int32)) + mine * TILES_MAX * 2
+        dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int64)) + mine * TILES_MAX
         t = pid
         while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
             rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
             _pack_tile(po, lse, dst16, rows, rmask, tok, hh, peer, c_off, cmask,
                        s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, ROW, D)
-            tl.store(dst_flags + t * 2 + 1, n_tokens, mask=peer < N)
-            # Fence pattern: all threads' stores, a CTA barrier, one fence, then relaxed flag
-            # stores to every peer at once (no serialized release per peer).
-            tl.debug_barrier()
-            _fence(e, GPU_SCOPE)
-            _store_relaxed(dst_flags + t * 2, e, GPU_SCOPE)
+            t += G
+        tl.debug_barrier()
+        _fence(e, GPU_SCOPE)
+        t = pid
+        while t < n_tiles:
+            _store_relaxed(dst_flags + t, want, GPU_SCOPE)
             t += G
         t_pushed = _stamp(t, TRACE)
 
-        # Wait and combine: a bounded spin on the tile's flags from every source (relaxed loads,
-        # then one fence: the acquire pattern). The B carried with each flag exposes ranks that
-        # entered the call with different sizes. (Source by source: the interpreter cannot run
-        # Triton's reductions.)
-        flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int32)) + slot * N * TILES_MAX * 2
-        recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
-        t_arrived = t_pushed
+        # Wait: a bounded spin on each tile's flags from every source (relaxed loads), then one
+        # fence for all of them (the acquire pattern). Source by source: the interpreter cannot run
+        # Triton's reductions.
+        flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int64)) + slot * N * TILES_MAX
+        code = 0  # > 0 once a tile of this program failed: its rows are then written as NaN
         t = pid
         while t < n_tiles:
             # Once a program of this call has given up, the others give up at once too.
             timeout = tl.where(_call_failed(status, e), 0, timeout).to(tl.int64)
             start = _now(t)
-            code = 0
-            while code == 0:
+            tile_code = 0
+            while tile_code == 0:
                 n_arrived = 0
                 for s in tl.static_range(N):
-                    n_arrived += (_load_relaxed(flags + (s * TILES_MAX + t) * 2, GPU_SCOPE) == e).to(tl.int32)
+                    n_arrived += (_load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE) == want).to(tl.int32)
                 waited = _now(t) - start
-                code = tl.where(n_arrived == N, -1, tl.where(waited > timeout, _TIMEOUT, 0))
-                # A size mismatch shows as tile 0 arriving with another B while this tile never
-                # does (the sender has fewer tiles); look only once the wait is not short, so the
-                # fast spin reads nothing else.
-                if (code == 0) & (waited > _MISMATCH_AFTER_NS):
+                tile_code = tl.where(n_arrived == N, -1, tl.where(waited > timeout, _TIMEOUT, 0))
+                # A sender called with another B publishes its flags with that B; tile 0 always
+                # exists, so it shows even where this tile never comes. Looked at only once the
+                # wait is not short, so the fast spin reads nothing else.
+                if (tile_code == 0) & (waited > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
-                        if _load_relaxed(flags + s * TILES_MAX * 2, GPU_SCOPE) == e:
-                            _fence(e, GPU_SCOPE)  # the flag before the B it publishes
-                            if _load_relaxed(flags + s * TILES_MAX * 2 + 1, GPU_SCOPE) != n_tokens:
-                                code = _MISMATCH
+                        first = _load_relaxed(flags + s * TILES_MAX, GPU_SCOPE)
+                        if ((first & 0xFFFFFFFF) == e) & ((first >> 32) != n_tokens):
+                            tile_code = _MISMATCH
                 _pause()
-            _fence(e, GPU_SCOPE)
-            if code < 0:
-                for s in tl.static_range(N):
-                    if _load_relaxed(flags + (s * TILES_MAX + t) * 2 + 1, GPU_SCOPE) != n_tokens:
-                        code = _MISMATCH
-            tl.debug_barrier()
-            t_arrived = _stamp(t, TRACE)
+            if (tile_code > 0) & (code == 0):
+                _record_failure(status, flags, t, e, n_tokens, tile_code, N, TILES_MAX, GPU_SCOPE)
+            code = tl.where(code > 0, code, tile_code)
+            # After one failed wait the call is lost: later tiles look once and give up.
+            timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
+            t += G
+        _fence(e, GPU_SCOPE)
+        tl.debug_barrier()
+        t_arrived = _stamp(t, TRACE)
 
+        # Combine every tile of this program from local memory.
+        recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
+        t = pid
+        while t < n_tiles:
             rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
             y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
             yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
@@ -241,28 +252,12 @@ def lse_alltoall_kernel(
                          mask=rmask[:, None] & cmask[None, :])
                 if write_lse != 0:
                     tl.store(yl_ptrs, tl.full([BLOCK_R], float("nan"), tl.float32), mask=rmask)
-                if tl.load(status, volatile=True) == 0:  # keep the first failure until reported
-                    tl.store(status + 1, e)
-                    tl.store(status + 2, t)
-                    tl.store(status + 3, n_tokens)
-                    for s in tl.static_range(N):
-                        src_flags = flags + s * TILES_MAX * 2
-                        got = _load_relaxed(src_flags + t * 2, GPU_SCOPE) == e
-                        got_first = _load_relaxed(src_flags, GPU_SCOPE) == e
-                        tl.store(status + 4 + s, (~got).to(tl.int32))
-                        tl.store(status + 12 + s, tl.where(got, _load_relaxed(src_flags + t * 2 + 1, GPU_SCOPE),
-                                                          tl.where(got_first, _load_relaxed(src_flags + 1, GPU_SCOPE), -1)))
-                    tl.store(status, code)
-            # After one failed wait the call is lost: later tiles look once and give up.
-            timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
             t += G
         t_combined = _stamp(t, TRACE)
 
-        # Advance the epoch once per call, after every program has read it: the last to arrive.
-        arrived_before = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
-        if arrived_before == G - 1:
-            tl.store(state + 1, 0)
-            tl.store(state, e % _PERIOD)
+        # Advance the epoch: the programs add EPOCH_STRIDE to the state word together, so its
+        # epoch bits move only once every program of this call has read them. Nobody waits on it.
+        tl.atomic_add(state, tl.where(pid == 0, _STRIDE - (G - 1), 1), sem="relaxed", scope="gpu")
         if TRACE:
             if pid < _TRACE_PROGRAMS:
                 rec = tl.load(ctl + _CTL_TRACE).to(tl.pointer_type(tl.int64)) + (
@@ -271,8 +266,24 @@ def lse_alltoall_kernel(
                 tl.store(rec + 2, t_pushed)
                 tl.store(rec + 3, t_arrived)
                 tl.store(rec + 4, t_combined)
-                tl.store(rec + 5, _now(arrived_before))
                 tl.store(rec, e.to(tl.int64))
+
+
+def _record_failure(status, flags, t, e, n_tokens, code, N: tl.constexpr, TILES_MAX: tl.constexpr,
+                    GPU_SCOPE: tl.constexpr):
+    """Leave the first failure of a call where the host reads it: which sources were missing at
+    tile t, and the B each announced (-1: nothing of this call arrived from it)."""
+    if tl.load(status, volatile=True) == 0:  # keep the first failure until reported
+        tl.store(status + 1, e)
+        tl.store(status + 2, t)
+        tl.store(status + 3, n_tokens)
+        for s in tl.static_range(N):
+            got = _load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE)
+            first = _load_relaxed(flags + s * TILES_MAX, GPU_SCOPE)
+            got_now = (got & 0xFFFFFFFF) == e
+            tl.store(status + 4 + s, (~got_now).to(tl.int32))
+            tl.store(status + 12 + s, tl.where(got_now, got >> 32, tl.where((first & 0xFFFFFFFF) == e, first >> 32, -1)).to(tl.int32))
+        tl.store(status, code)
 
 
 # --- the NCCL reference path ---------------------------------------------------------------------
@@ -308,13 +319,13 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
 # --- helpers that differ by execution mode -------------------------------------------------------
 
 def _load_relaxed_gpu(ptr, GPU_SCOPE: tl.constexpr):
-    return tl.inline_asm_elementwise("ld.relaxed." + ("gpu" if GPU_SCOPE else "sys") + ".global.b32 $0, [$1];", "=r,l",
-                                     [ptr], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("ld.relaxed." + ("gpu" if GPU_SCOPE else "sys") + ".global.b64 $0, [$1];", "=l,l",
+                                     [ptr], dtype=tl.int64, is_pure=False, pack=1)
 
 
 def _store_relaxed_gpu(ptr, val, GPU_SCOPE: tl.constexpr):
-    tl.inline_asm_elementwise("st.relaxed." + ("gpu" if GPU_SCOPE else "sys") + ".global.b32 [$1], $2;\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("st.relaxed." + ("gpu" if GPU_SCOPE else "sys") + ".global.b64 [$1], $2;\n\tmov.u32 $0, 0;",
+                              "=r,l,l", [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _fence_gpu(x, GPU_SCOPE: tl.constexpr):
@@ -361,7 +372,7 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_tile_rows, _pack_tile, _combine_rows, _stamp, _scale_strides)
+_SHARED_HELPERS = (_tile_rows, _pack_tile, _combine_rows, _stamp, _scale_strides, _record_failure)
 _INT_ARGS = ["n_tokens", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]
 _built: dict = {}

@@ -37,10 +37,10 @@ def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope):
                    dict(lay.constexprs(), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False), aligned_ptrs=("po", "y"))
     other = {"sys": "gpu", "gpu": "sys"}[scope]
     assert f"fence.acq_rel.{scope}" in ptx and f"fence.acq_rel.{other}" not in ptx
-    assert f"st.relaxed.{scope}.global.b32" in ptx and f"ld.relaxed.{scope}.global.b32" in ptx
+    assert f"st.relaxed.{scope}.global.b64" in ptx and f"ld.relaxed.{scope}.global.b64" in ptx  # flag: B << 32 | epoch
     assert f"relaxed.{other}" not in ptx
     assert "%globaltimer" in ptx
-    assert "atom" in ptx and "trap" not in ptx  # the epoch advance is a local atomic; never trap
+    assert "atom.global.gpu.relaxed.add" in ptx and "trap" not in ptx  # the epoch advance; never trap
     # packed rows move as 16-byte vectors, both the pushes and the combine's reads
     assert len(re.findall(r"st\.global\.v4", ptx)) >= 6 and len(re.findall(r"ld\.global\.v4", ptx)) >= 12
     assert not re.search(r"st\.global\.b16", ptx), "scalar 2-byte row stores"
