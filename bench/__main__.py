@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from dcp.protocol import NUM_WARPS, ChannelLayout
+from dcp.protocol import ChannelLayout
 from dcp.spawn import World
 from bench import ranks
 
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"])
     p.add_argument("--modes", nargs="+", default=["eager", "graph", "graph8"] if cuda else ["eager"])
     p.add_argument("--iters", type=int, default=200 if cuda else 5)
-    p.add_argument("--num-warps", type=int, default=NUM_WARPS, help="warps per program of the kernels")
+    p.add_argument("--num-warps", type=int, default=None, help="fixed warps per program (default: by call size)")
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
     p.add_argument("--out", default="results", help="folder for results.csv and results.json")
     args = p.parse_args(argv)
@@ -142,8 +142,10 @@ def main(argv=None) -> None:
                         for B in args.batch:
                             for mode in args.modes:
                                 res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
+                                warps = ChannelLayout(n, args.heads_per_rank, d, max(args.batch),
+                                                      args.num_warps).warps_for(B if backend == "triton" else 1)
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
-                                                 backend, rate, shared, cuda, args.num_warps))
+                                                 backend, rate, shared, cuda, warps))
                                 print(f"\r[{len(rows)}] N={n} {backend} D={d} B={B} {mode}: "
                                       f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
             finally:

@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
-from dcp.protocol import NUM_WARPS
+from dcp.protocol import ChannelLayout
 from dcp.reference import make_inputs
 from dcp.spawn import World
 
 PHASES = ("period", "gap", "push", "peer_wait", "flag", "combine")
 
 
-def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_warps: int) -> np.ndarray:
+def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_warps) -> np.ndarray:
     """Rank side: replay the graph and return its calls' records, int64 [replays * calls, programs, 5]."""
     os.environ["DCP_A2A_TRACE"] = "1"
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=512)
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--num-warps", type=int, default=NUM_WARPS)
+    p.add_argument("--num-warps", type=int, default=None, help="fixed warps per program (default: by size)")
     p.add_argument("--out", default="results")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
@@ -102,15 +102,16 @@ def main(argv=None) -> None:
         try:
             for B in args.batch:
                 recs = w.run(traced_calls, B, args.head_dim, args.calls, args.replays, args.num_warps, timeout=300)
-                rows.append(dict(world=n, B=B, head_dim=args.head_dim, num_warps=args.num_warps,
+                warps = ChannelLayout(n, 16, args.head_dim, B, args.num_warps).warps_for(B)
+                rows.append(dict(world=n, B=B, head_dim=args.head_dim, num_warps=warps,
                                  **phases(recs, args.calls)))
         finally:
             w.close()
-    head = f"{'N':>2} {'B':>4} {'progs':>5} " + " ".join(f"{k:>9}" for k in PHASES) + f" {'1st gap':>8} {'tick':>5}"
-    print("median us per call (graph of %d calls, D = %d, %d warps)" % (args.calls, args.head_dim, args.num_warps))
+    head = f"{'N':>2} {'B':>4} {'warps':>5} {'progs':>5} " + " ".join(f"{k:>9}" for k in PHASES) + f" {'1st gap':>8} {'tick':>5}"
+    print("median us per call (graph of %d calls, D = %d)" % (args.calls, args.head_dim))
     print(head)
     for r in rows:
-        print(f"{r['world']:>2} {r['B']:>4} {r['programs']:>5} " + " ".join(f"{r[k] / 1e3:>9.2f}" for k in PHASES)
+        print(f"{r['world']:>2} {r['B']:>4} {r['num_warps']:>5} {r['programs']:>5} " + " ".join(f"{r[k] / 1e3:>9.2f}" for k in PHASES)
               + f" {r['first_call_gap'] / 1e3:>8.2f} {r['timer_step']:>5.0f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "trace.json"), "a") as f:

@@ -57,8 +57,9 @@ class TritonTransport:
                  channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool):
         self.group, self.layout, self.device, self.max_programs = group, layout, device, max_programs
         self.rank = dist.get_rank(group)
-        self.fused = _Launcher(build_kernels(interpret=device.type == "cpu").fused, device,
-                               dict(layout.constexprs(), GPU_SCOPE=gpu_scope, TRACE=trace), layout.num_warps)
+        kernel = build_kernels(interpret=device.type == "cpu").fused
+        self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace), w)
+                      for w in layout.tilings}
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []
@@ -88,15 +89,22 @@ class TritonTransport:
             self._status_keep = ctypes.create_string_buffer(nbytes)
             self.status_addr = ctypes.addressof(self._status_keep)
 
-    def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
-        n_tiles = -(-n_tokens * self.layout.heads_per_rank // self.layout.block_rows)
+    def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, warps=0) -> None:
+        lay = self.layout
+        warps = warps or lay.warps_for(n_tokens)
+        n_tiles = -(-n_tokens * lay.heads_per_rank // lay.tilings[warps])
         div = 8 if variant[1] else 1
         (s_po_b, s_po_h, _), (s_y_b, s_y_h, _) = po.stride(), y.stride()
-        self.fused(variant, max(1, min(n_tiles, self.max_programs, EPOCH_STRIDE)),
+        self.fused[warps](variant, max(1, min(n_tiles, self.max_programs, EPOCH_STRIDE)),
                    po, lse, y, y_lse, self.ctl[channel], n_tokens, self.rank,
                    s_po_b // div, s_po_h // div, lse.stride(0), lse.stride(-1),
                    s_y_b // div, s_y_h // div, y_lse.stride(0), y_lse.stride(-1),
                    int(write_lse), _LOG2E if base_e else 1.0)
+
+    def load(self, variant, po, lse, y, y_lse) -> None:
+        """Compile and load a variant in every tiling, with launches that touch nothing (B = 0)."""
+        for warps in self.fused:
+            self.launch(variant, po, lse, y, y_lse, 0, 0, False, True, warps)
 
     def trace_records(self, channel: int) -> torch.Tensor:
         """The traced calls' records, by epoch: int64 [calls, programs, TRACE_WORDS]."""
@@ -146,9 +154,9 @@ class NcclTransport:
                  channels: int):
         self.group, self.layout, self.device = group, layout, device
         kernels = build_kernels(interpret=device.type == "cpu")
-        constexprs = dict(list(layout.constexprs().items())[:7])
-        self.pack = _Launcher(kernels.pack, device, constexprs, layout.num_warps)
-        self.combine = _Launcher(kernels.combine, device, constexprs, layout.num_warps)
+        warps = layout.warps_for(1)  # one tiling: these kernels never wait, so size matters less
+        self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), warps)
+        self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), warps)
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
@@ -156,7 +164,6 @@ class NcclTransport:
         dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
 
     def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
-        """With n_tokens == 0: compiles and loads the variant, touching no row and no peer."""
         lay = self.layout
         grid = max(1, -(-n_tokens * lay.heads_per_rank // lay.block_rows))
         div = 8 if variant[1] else 1
@@ -169,6 +176,10 @@ class NcclTransport:
         self.combine(variant, grid, recv, y, y_lse, n_tokens, y.stride(0) // div,
                      y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1), int(write_lse),
                      _LOG2E if base_e else 1.0)
+
+    def load(self, variant, po, lse, y, y_lse) -> None:
+        """Compile and load a variant with launches of no rows (and no exchange)."""
+        self.launch(variant, po, lse, y, y_lse, 0, 0, False, True)
 
     def check(self, channels: int) -> None:
         pass  # NCCL reports its own failures

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from kernels import MAX_PEERS
 from dcp.backends import NcclTransport, TritonTransport
 from dcp.errors import DcpError
-from dcp.protocol import NUM_WARPS, ChannelLayout
+from dcp.protocol import ChannelLayout
 from dcp.rendezvous import agree, all_gather
 
 log = logging.getLogger("dcp")
@@ -64,15 +64,15 @@ class DcpAllToAll:
     all-to-all, combine) or ``"auto"`` (triton where every rank reaches every peer's buffer, else
     nccl, decided by all ranks together). ``None`` reads ``DCP_A2A_BACKEND`` (default ``auto``).
 
-    ``max_programs`` (default: SMs / ranks on the device) and ``num_warps`` size the kernel's grid
-    and programs. ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
+    ``max_programs`` (default: SMs / ranks on the device) sizes the kernel's grid; ``num_warps``
+    fixes the warps per program (default: 8 below 128 tokens per launch, 16 from there). ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int = 64, num_heads: int = 0,
                  head_dim: int = 0, dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str, int]] = None, *,
                  backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
-                 max_programs: Optional[int] = None, num_warps: int = NUM_WARPS, check: Optional[bool] = None):
+                 max_programs: Optional[int] = None, num_warps: Optional[int] = None, check: Optional[bool] = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -141,8 +141,8 @@ class DcpAllToAll:
             return f"channels must be a positive integer; got {self.channels}"
         if self.device.type not in ("cuda", "cpu"):
             return f"device must be cuda or cpu; got {self.device}"
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            return f"num_warps must be a power of two from 1 to 16; got {self.num_warps!r}"
+        if self.num_warps not in (None, 1, 2, 4, 8, 16):
+            return f"num_warps must be None or a power of two from 1 to 16; got {self.num_warps!r}"
         return None
 
     def _default_programs(self) -> int:
@@ -252,7 +252,7 @@ class DcpAllToAll:
                     "partial_lse, out) with tensors of this layout before capture")
             stream = torch.cuda.current_stream(self.device)
             stream.synchronize()  # loading a module next to a spinning kernel can block
-            self._transport.launch(key, po, lse, y, self._lse_scratch, 0, 0, False, True)
+            self._transport.load(key, po, lse, y, self._lse_scratch)
             stream.synchronize()
         self._ready.add(key)
 

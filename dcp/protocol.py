@@ -8,12 +8,15 @@ kernel leaves in host-mapped memory into Python errors.
 import ctypes
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Optional
 
 from kernels import STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS
 from dcp.errors import DcpMismatchError, DcpTimeoutError
 
 STATE_BYTES = 64  # the epoch word, local to the rank
-NUM_WARPS = 8  # per program: 8 measured faster than 4 from B = 8 up on an H200 (docs/NOTES.md)
+# Warps per program by call size (docs/NOTES.md, one H200): with 8, small calls spread over more
+# programs; with 16, large calls take half as many tile steps per program.
+SMALL_CALL_WARPS, LARGE_CALL_WARPS, LARGE_CALL_TOKENS = 8, 16, 128
 ALIGN = 256
 
 
@@ -29,14 +32,17 @@ def _align(x: int, a: int = ALIGN) -> int:
 class ChannelLayout:
     """Byte layout of one channel's symmetric region (identical on every rank).
 
-    Its sizes are computed once: the call path reads them on every launch.
+    Its sizes are computed once: the call path reads them on every launch. A call's tiling (warps
+    per program, rows per tile) depends on its size, unless ``num_warps`` fixes it; the flags are
+    sized for the smallest tiles. Tile t means different rows under different tilings, which is
+    harmless: a flag names its call by epoch, and every rank tiles a call alike.
     """
 
     world: int
     heads_per_rank: int
     head_dim: int
     max_tokens: int
-    num_warps: int = NUM_WARPS
+    num_warps: Optional[int] = None
 
     @cached_property
     def padded_dim(self) -> int:  # power-of-two block width over the head dim
@@ -54,10 +60,22 @@ class ChannelLayout:
     def padded_peers(self) -> int:  # a tile holds the rows of every peer: a power of two of them
         return _next_pow2(self.world)
 
+    def warps_for(self, n_tokens: int) -> int:
+        if self.num_warps:
+            return self.num_warps
+        return LARGE_CALL_WARPS if n_tokens >= LARGE_CALL_TOKENS else SMALL_CALL_WARPS
+
     @cached_property
-    def block_rows(self) -> int:  # rows per tile: [peers, rows, D] blocks of 2048 values per warp
-        tile = 2048 * self.num_warps // (self.padded_peers * self.padded_dim)
-        return max(1, min(64, tile, _next_pow2(self.rows_max)))
+    def tilings(self) -> dict:
+        """Warps -> rows per tile ([peers, rows, D] blocks of 2048 values per warp), for every
+        tiling a call of up to max_tokens may use."""
+        sizes = {self.warps_for(1), self.warps_for(self.max_tokens)}
+        return {w: max(1, min(64, 2048 * w // (self.padded_peers * self.padded_dim), _next_pow2(self.rows_max)))
+                for w in sizes}
+
+    @cached_property
+    def block_rows(self) -> int:  # the smallest tiles, which size the flags
+        return min(self.tilings.values())
 
     @cached_property
     def tiles_max(self) -> int:
@@ -75,12 +93,15 @@ class ChannelLayout:
     def nbytes(self) -> int:
         return _align(self.recv_offset + 2 * self.world * self.rows_max * self.row_elems * 2)
 
-    def constexprs(self) -> dict:
-        """The fused kernel's geometry; the NCCL path's kernels take the first seven."""
+    def tile_constexprs(self, warps: int) -> dict:
+        """The geometry of one tiling: all that the NCCL path's kernels take."""
         return dict(N=self.world, NP=self.padded_peers, HN=self.heads_per_rank, D=self.head_dim,
-                    DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.block_rows,
-                    ROWS_MAX=self.rows_max, TILES_MAX=self.tiles_max, FLAG_OFF=self.flag_offset,
-                    RECV_OFF=self.recv_offset)
+                    DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.tilings[warps])
+
+    def constexprs(self, warps: int) -> dict:
+        """The fused kernel's geometry for one tiling."""
+        return dict(self.tile_constexprs(warps), ROWS_MAX=self.rows_max, TILES_MAX=self.tiles_max,
+                    FLAG_OFF=self.flag_offset, RECV_OFF=self.recv_offset)
 
 
 def status_words(address: int) -> "ctypes.Array":

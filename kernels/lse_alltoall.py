@@ -83,18 +83,27 @@ def _tile_rows(t, n_rows, HN: tl.constexpr, BLOCK_R: tl.constexpr):
     return rows, rows < n_rows, (rows // HN).to(tl.int64), rows % HN
 
 
-def _pack_tile(po, lse, dst16, rows, rmask, tok, hh, peer, c_off, cmask,
-               s_po_b, s_po_h, s_lse_b, s_lse_h, N: tl.constexpr, HN: tl.constexpr,
-               ROW: tl.constexpr, D: tl.constexpr):
-    """Store rows (token, head) of every peer's head chunk as packed rows (D values, fp32 LSE) at
-    row ``rows`` of that peer's destination ``dst16[peer]``."""
+def _load_tile(po, lse, t, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
+               N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tile t of the input for every peer: values [NP, BLOCK_R, DP] and fp32 LSEs [NP, BLOCK_R]
+    (peer d's head chunk; masked off past the last row and for padding peers)."""
+    rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
-    m3 = m2[:, :, None] & cmask[None, None, :]
     head = peer[:, None] * HN + hh[None, :]
-    vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :], mask=m3)
-    lv = tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
+    vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :],
+                   mask=m2[:, :, None] & cmask[None, None, :])
+    return vals, tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
+
+
+def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N: tl.constexpr, BLOCK_R: tl.constexpr,
+                ROW: tl.constexpr, D: tl.constexpr):
+    """Store a loaded tile as packed rows (D values, then the fp32 LSE) at its rows of each peer's
+    destination ``dst16[peer]``."""
+    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
+    m2 = (peer < N)[:, None] & (rows < n_rows)[None, :]
     drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
-    tl.store(drow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True), mask=m3)
+    tl.store(drow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True),
+             mask=m2[:, :, None] & cmask[None, None, :])
     tl.store((drow + D).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
 
 
@@ -186,11 +195,15 @@ def lse_alltoall_kernel(
         # paid once per program, not per tile or per peer).
         dst16 = tl.multiple_of((bases + RECV_OFF).to(tl.pointer_type(tl.int16)), 16) + mine.to(tl.int64) * (ROWS_MAX * ROW)
         dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int64)) + mine * TILES_MAX
+        # Tiles pid, pid + G, ... (a while: the interpreter's range needs ints), each loaded one
+        # step ahead so that a load is in flight while the previous tile is stored.
         t = pid
-        while t < n_tiles:  # tiles pid, pid + G, ... (a while: the interpreter's range needs ints)
-            rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
-            _pack_tile(po, lse, dst16, rows, rmask, tok, hh, peer, c_off, cmask,
-                       s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, ROW, D)
+        vals, lv = _load_tile(po, lse, t, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, BLOCK_R)
+        while t < n_tiles:
+            nvals, nlv = _load_tile(po, lse, t + G, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
+                                    N, HN, BLOCK_R)
+            _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N, BLOCK_R, ROW, D)
+            vals, lv = nvals, nlv
             t += G
         tl.debug_barrier()
         _fence(e, GPU_SCOPE)
@@ -294,12 +307,12 @@ def pack_kernel(po, lse, send, n_tokens, s_po_b, s_po_h, s_lse_b, s_lse_h,
     """Pack the chunk of every destination d into send[d, :B * HN] (rows of ROW int16)."""
     s_po_b, s_po_h, _, _ = _scale_strides(s_po_b, s_po_h, 0, 0, ALIGNED)
     n_rows = n_tokens * HN
-    rows, rmask, tok, hh = _tile_rows(tl.program_id(0), n_rows, HN, BLOCK_R)
     c_off = tl.arange(0, DP)
     peer = tl.arange(0, NP)
     dst16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16) + (peer * n_rows).to(tl.int64) * ROW
-    _pack_tile(po, lse, dst16, rows, rmask, tok, hh, peer, c_off, c_off < D,
-               s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, ROW, D)
+    vals, lv = _load_tile(po, lse, tl.program_id(0), n_rows, peer, c_off, c_off < D, s_po_b, s_po_h, s_lse_b,
+                          s_lse_h, N, HN, BLOCK_R)
+    _store_tile(dst16, tl.program_id(0), vals, lv, n_rows, peer, c_off, c_off < D, N, BLOCK_R, ROW, D)
 
 
 def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write_lse, log2_scale,
@@ -372,7 +385,7 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_tile_rows, _pack_tile, _combine_rows, _stamp, _scale_strides, _record_failure)
+_SHARED_HELPERS = (_tile_rows, _load_tile, _store_tile, _combine_rows, _stamp, _scale_strides, _record_failure)
 _INT_ARGS = ["n_tokens", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]
 _built: dict = {}

@@ -12,7 +12,7 @@ from triton.compiler import ASTSource
 from dcp.protocol import ChannelLayout
 from kernels import build_kernels
 
-def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=()):
+def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warps: int = 8):
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -26,15 +26,19 @@ def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=()):
     attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in aligned_ptrs}
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(c),): v for c, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
-@pytest.mark.parametrize("lse_ty,scope", [("fp32", "sys"), ("bf16", "sys"), ("fp32", "gpu")])
-def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope):
-    lay = ChannelLayout(world=6, heads_per_rank=16, head_dim=512, max_tokens=64)
+@pytest.mark.parametrize("lse_ty,scope,warps", [("fp32", "sys", 8), ("bf16", "sys", 8), ("fp32", "gpu", 8),
+                                                ("fp32", "gpu", 16)])
+def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope, warps):
+    lay = ChannelLayout(world=6, heads_per_rank=16, head_dim=512, max_tokens=512)
+    assert set(lay.tilings) == {8, 16}
     ptx = _compile(build_kernels(False).fused,
                    {"po": "*bf16", "lse": f"*{lse_ty}", "y": "*bf16", "y_lse": "*fp32", "ctl": "*i64"},
-                   dict(lay.constexprs(), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False), aligned_ptrs=("po", "y"))
+                   dict(lay.constexprs(warps), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False),
+                   aligned_ptrs=("po", "y"), num_warps=warps)
+    assert ".local" not in ptx, "register spills"
     other = {"sys": "gpu", "gpu": "sys"}[scope]
     assert f"fence.acq_rel.{scope}" in ptx and f"fence.acq_rel.{other}" not in ptx
     assert f"st.relaxed.{scope}.global.b64" in ptx and f"ld.relaxed.{scope}.global.b64" in ptx  # flag: B << 32 | epoch
@@ -50,7 +54,7 @@ def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope):
 
 def test_nccl_path_kernels_compile():
     lay = ChannelLayout(world=3, heads_per_rank=16, head_dim=128, max_tokens=64)
-    common = dict(list(lay.constexprs().items())[:7], ALIGNED=True)
+    common = dict(lay.tile_constexprs(lay.warps_for(1)), ALIGNED=True)
     k = build_kernels(False)
     ptx = _compile(k.pack, {"po": "*bf16", "lse": "*fp32", "send": "*i32"}, common, ("po", "send"))
     assert re.search(r"st\.global\.v4", ptx)

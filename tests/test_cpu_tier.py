@@ -5,7 +5,7 @@ import pytest
 
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
-from dcp.protocol import ChannelLayout
+from dcp.protocol import LARGE_CALL_TOKENS, ChannelLayout
 from dcp.spawn import RankError
 
 # (N, heads per rank, head dim): odd head counts and a head dim that is not a power of two included.
@@ -35,6 +35,20 @@ def test_lse_reduce_matches_reference(worlds, n):
     w.run(rc.close_comm, "bf16")
     w.run(rc.close_comm, "fp16")
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
+
+
+def test_small_and_large_call_tilings_alternate(worlds):
+    """Calls from LARGE_CALL_TOKENS up run with larger tiles than smaller ones; consecutive calls of
+    either kind (and the chunks of one call) share the slots and flags."""
+    w = worlds(3)
+    seed = fresh_seed()
+    w.run(rc.make_comm, "tiles", max_tokens=LARGE_CALL_TOKENS + 8, num_heads=3, head_dim=128)
+    lay = ChannelLayout(world=3, heads_per_rank=1, head_dim=128, max_tokens=LARGE_CALL_TOKENS + 8)
+    assert len(set(lay.tilings.values())) == 2
+    sizes = [LARGE_CALL_TOKENS, 5, LARGE_CALL_TOKENS + 8, 2 * LARGE_CALL_TOKENS + 30, 1]  # the fourth is chunked
+    for i, B in enumerate(sizes):
+        w.run(rc.lse_case, "tiles", seed + i, B=B, use_out=True, special=i % 2 == 0)
+    w.run(rc.close_comm, "tiles")
 
 
 def test_bad_calls_raise_clear_errors(worlds):
