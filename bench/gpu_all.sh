@@ -14,4 +14,5 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA -s --timeout 900 ${PYTEST_ARGS:-} 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^soak|Error:|assert" | tail -40
 python3 -m bench.host_time 2>&1 | tee "$OUT/host_time.log" | sed -n 1,9p
+python3 -m bench.trace --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -10
 python3 -m bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40

@@ -64,15 +64,17 @@ class DcpAllToAll:
     all-to-all, combine) or ``"auto"`` (triton where every rank reaches every peer's buffer, else
     nccl, decided by all ranks together). ``None`` reads ``DCP_A2A_BACKEND`` (default ``auto``).
 
-    ``max_programs`` (default: SMs / ranks on the device) sizes the kernel's grid; ``num_warps``
-    fixes the warps per program (default: 8 below 128 tokens per launch, 16 from there). ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
+    ``max_programs`` (default: the device's SMs over its ranks and the channels) sizes the
+    kernel's grid; ``num_warps`` fixes the warps per program (default: 8 below 128 tokens per
+    launch, 16 from there). ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int = 64, num_heads: int = 0,
                  head_dim: int = 0, dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str, int]] = None, *,
                  backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
-                 max_programs: Optional[int] = None, num_warps: Optional[int] = None, check: Optional[bool] = None):
+                 max_programs: Optional[int] = None, num_warps: Optional[int] = None,
+                 check: Optional[bool] = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -149,9 +151,10 @@ class DcpAllToAll:
         if self.device.type == "cpu":
             return 4
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        # Every waiting program of every rank on this device must be resident at once: one per
-        # SM and rank leaves room for a second resident program and for other kernels.
-        return max(1, sms // self.ranks_per_device)
+        # Every waiting program of every rank and channel on this device must be resident at
+        # once. A 16-warp program (calls from 128 tokens) fills an SM's registers on an H200, so:
+        # one program per SM, shared out among the ranks and the channels that may run together.
+        return max(1, sms // (self.ranks_per_device * self.channels))
 
     def _triton_obstacle(self, hosts: list) -> Optional[str]:
         """Why the triton path cannot serve this group, as every rank sees it (None: it can)."""

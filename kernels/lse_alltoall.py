@@ -73,9 +73,10 @@ _MISMATCH_AFTER_NS = tl.constexpr(20_000)
 
 # --- shared by both paths ------------------------------------------------------------------------
 # A tile is BLOCK_R rows of the flattened [B * HN] (token, head) space of one head chunk, taken for
-# every peer at once: pushes and combines move [NP, BLOCK_R, DP] blocks in one load and one store,
-# so a tile costs one memory round trip however many peers there are. NP is N rounded up to a
-# power of two; the padding peers are masked off.
+# every peer at once: a push moves a [NP, BLOCK_R, DP] block in one load and one store, so it costs
+# one memory round trip however many peers there are (NP is N rounded up to a power of two; the
+# padding peers are masked off). A combine reads the sources' [BLOCK_R, DP] blocks one by one, but
+# nothing orders those loads, so they are in flight together.
 
 def _tile_rows(t, n_rows, HN: tl.constexpr, BLOCK_R: tl.constexpr):
     """Tile t: its rows, their mask, token and head within the chunk."""
