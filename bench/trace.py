@@ -27,6 +27,7 @@ from dcp.reference import make_inputs
 from dcp.spawn import World
 
 PHASES = ("period", "gap", "push", "peer_wait", "flag", "combine")
+HEADS_PER_RANK = 16
 
 
 def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_warps) -> np.ndarray:
@@ -35,7 +36,7 @@ def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_war
     n, rank = dist.get_world_size(), dist.get_rank()
     if "comm" in state:
         state.pop("comm").close()
-    comm = state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=16 * n, head_dim=head_dim,
+    comm = state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=HEADS_PER_RANK * n, head_dim=head_dim,
                                        dtype=torch.bfloat16, backend="triton", num_warps=num_warps)
     outs, lses = make_inputs(B, n, B, comm.num_heads, head_dim, comm.dtype)
     po, pl = outs[rank].to(comm.device), lses[rank].to(comm.device)
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
         try:
             for B in args.batch:
                 recs = w.run(traced_calls, B, args.head_dim, args.calls, args.replays, args.num_warps, timeout=300)
-                warps = ChannelLayout(n, 16, args.head_dim, B, args.num_warps).warps_for(B)
+                warps = ChannelLayout(n, HEADS_PER_RANK, args.head_dim, B, args.num_warps).warps_for(B)
                 rows.append(dict(world=n, B=B, head_dim=args.head_dim, num_warps=warps,
                                  **phases(recs, args.calls)))
         finally:

@@ -155,6 +155,7 @@ class NcclTransport:
         self.group, self.layout, self.device = group, layout, device
         kernels = build_kernels(interpret=device.type == "cpu")
         warps = layout.warps_for(1)  # one tiling: these kernels never wait, so size matters less
+        self.block_rows = layout.tilings[warps]
         self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), warps)
         self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), warps)
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
@@ -165,7 +166,7 @@ class NcclTransport:
 
     def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
         lay = self.layout
-        grid = max(1, -(-n_tokens * lay.heads_per_rank // lay.block_rows))
+        grid = max(1, -(-n_tokens * lay.heads_per_rank // self.block_rows))
         div = 8 if variant[1] else 1
         used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
         send, recv = self.send[channel][:used], self.recv[channel][:used]

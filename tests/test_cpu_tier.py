@@ -92,7 +92,7 @@ def test_rank_errors_are_reported(worlds):
 def test_trace_records_every_call_in_order(worlds):
     """The opt-in trace: one record per call and program, stamps in protocol order; the bench's
     phase split reads them."""
-    from bench.trace import phases
+    from bench.trace import PHASES, phases
 
     calls, B = 5, 40
     recs = worlds(3).run(rc.traced_calls, fresh_seed(), B=B, calls=calls)
@@ -109,4 +109,4 @@ def test_trace_records_every_call_in_order(worlds):
         assert (stamps > 0).all() and (stamps[:, 1:] >= stamps[:, :-1]).all(), "stamps out of protocol order"
         assert (r[used][:, 0] == np.repeat(np.arange(1, calls + 1), n_used[0])).all()
     split = phases(recs, calls=calls)  # as if one graph held them all
-    assert split["period"] > 0 and split["push"] >= 0 and split["combine"] >= 0 and split["peer_wait"] >= 0
+    assert split["period"] > 0 and all(np.isfinite(split[k]) for k in PHASES)
