@@ -36,8 +36,9 @@ def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_war
     n, rank = dist.get_world_size(), dist.get_rank()
     if "comm" in state:
         state.pop("comm").close()
-    comm = state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=HEADS_PER_RANK * n, head_dim=head_dim,
-                                       dtype=torch.bfloat16, backend="triton", num_warps=num_warps)
+    comm = state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=HEADS_PER_RANK * n,
+                                       head_dim=head_dim, dtype=torch.bfloat16, backend="triton",
+                                       num_warps=num_warps)
     outs, lses = make_inputs(B, n, B, comm.num_heads, head_dim, comm.dtype)
     po, pl = outs[rank].to(comm.device), lses[rank].to(comm.device)
     y = torch.empty((B, comm.heads_per_rank, head_dim), dtype=comm.dtype, device=comm.device)
