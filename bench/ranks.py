@@ -1,4 +1,11 @@
-"""What every rank runs during a benchmark: check one point against the reference, then time it."""
+"""What every rank runs during a benchmark: check one point against the reference, then time it.
+
+On a GPU the timed calls are queued behind a sleeping kernel long enough for the host to enqueue
+all of them (nvbench's blocking kernel), so that device events time the calls back to back rather
+than the Python loop that launches them; host time per call is measured separately. A point whose
+queue ran dry before the host finished (the first timed call had already started) is reported as
+not held.
+"""
 
 import statistics
 import time
@@ -17,14 +24,29 @@ def _percentiles(xs: list) -> dict:
 
 
 def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: str, backend: str,
-          num_warps=None) -> str:
+          num_warps=None, pdl=None) -> bool:
+    """Build this rank's communicator; returns whether its calls use programmatic dependent launch."""
     if "comm" in state:
         state.pop("comm").close()
     n = dist.get_world_size()
-    state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=max_tokens, num_heads=heads_per_rank * n,
-                                head_dim=head_dim, dtype=torch.bfloat16, device=device, backend=backend,
-                                num_warps=num_warps)
-    return repr(state["comm"])
+    state["comm"] = comm = DcpAllToAll(dist.group.WORLD, max_tokens=max_tokens, num_heads=heads_per_rank * n,
+                                       head_dim=head_dim, dtype=torch.bfloat16, device=device, backend=backend,
+                                       num_warps=num_warps, pdl=pdl)
+    if comm.device.type == "cuda" and "cycles_per_us" not in state:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(10 ** 7)
+        b.record()
+        b.synchronize()
+        state["cycles_per_us"] = 10 ** 7 / (a.elapsed_time(b) * 1e3)
+    return comm.pdl and comm.backend == "triton"
+
+
+def all_agree(ok: bool) -> bool:
+    """True on every rank if it is true on every rank (ranks redo a timed loop together)."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, ok)
+    return all(seen)
 
 
 def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
@@ -49,22 +71,33 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
         step = graph.replay
     else:
         step = lambda: comm.lse_reduce(po, pl, out=y)
+    t0 = time.perf_counter()
     for _ in range(min(10, iters)):
         step()
+    warm_us = (time.perf_counter() - t0) * 1e6 / min(10, iters)
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
-    times, host = [], []
+    times, host, held, span = [], [], True, float("nan")
     if cuda:
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for a, b in ev:
-            a.record()
-            t0 = time.perf_counter()
-            step()
-            host.append((time.perf_counter() - t0) * 1e6)
-            b.record()
-        torch.cuda.synchronize()
+        # Hold the queue for three times the loop's expected host time (two event records per
+        # step); where the GPU clock ran slower than when it was calibrated, hold longer and redo.
+        for attempt in range(3):
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+            host = []
+            torch.cuda._sleep(int(state["cycles_per_us"] * (3 * iters * (warm_us + 10) + 1000) * 4 ** attempt))
+            for a, b in ev:
+                a.record()
+                t0 = time.perf_counter()
+                step()
+                host.append((time.perf_counter() - t0) * 1e6)
+                b.record()
+            held = not ev[0][0].query()
+            torch.cuda.synchronize()
+            if all_agree(held):
+                break
         times = [a.elapsed_time(b) * 1e3 / calls for a, b in ev]
+        span = ev[0][0].elapsed_time(ev[-1][1]) * 1e3 / (iters * calls)
     else:
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -75,6 +108,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     comm.check()
     res = _percentiles(times)
     res["host_us"] = statistics.median(host) / calls
+    res["held"], res["span_us"] = held, span  # span: first to last event over the calls, per call
     res["max_rel_err"] = err
     return res
 

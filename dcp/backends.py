@@ -9,6 +9,8 @@ import ctypes
 import numpy as np
 import torch
 import torch.distributed as dist
+from triton import knobs
+from triton.runtime import driver
 
 from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS,
                      build_kernels)
@@ -19,33 +21,50 @@ from dcp.protocol import ChannelLayout, raise_status, status_words
 _LOG2E = 1.4426950408889634
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set (a chain of hooks, or one callable in older versions)."""
+    return bool(getattr(hook, "calls", hook))
+
+
 class _Launcher:
-    """Launches one kernel; on CUDA through the compiled variant's own handle once it is loaded.
+    """Launches one kernel; on CUDA through the compiled variant's own launcher once it is loaded.
 
     Triton's JIT entry point rebinds the arguments, recomputes the specialization key and rechecks
-    the kernel's globals on every launch: most of an eager call's host time on the H200 host
-    (``python -m bench.host_time``). A loaded variant needs none of that. ``variant`` must
-    determine everything Triton specializes on (``DcpAllToAll._variant``; its second field says
-    whether rows are 16-byte aligned). On CPU tensors the interpreter runs the kernel.
+    the kernel's globals on every launch, and its compiled-kernel handle still looks up the device
+    and stream and asks the driver about every tensor argument: most of an eager call's host time
+    (``python -m bench.host_time``). A loaded variant needs none of that: it is launched with the
+    pointers as integers on the stream of ``device``. ``variant`` must determine everything Triton
+    specializes on (``DcpAllToAll._variant``; its second field says whether rows are 16-byte
+    aligned). On CPU tensors the interpreter runs the kernel. Profiler hooks, when set, take
+    Triton's own path.
     """
 
-    def __init__(self, kernel, device: torch.device, constexprs: dict, num_warps: int):
-        self.kernel, self.cuda, self.constexprs, self.num_warps = kernel, device.type == "cuda", constexprs, num_warps
+    def __init__(self, kernel, device: torch.device, constexprs: dict, options: dict):
+        self.kernel, self.cuda, self.constexprs, self.options = kernel, device.type == "cuda", constexprs, options
+        self.index = device.index
+        self.raw_stream = driver.active.get_current_stream if self.cuda else None
         self.compiled: dict = {}  # variant -> (compiled kernel, the constexprs' positional values)
 
-    def __call__(self, variant: tuple, grid: int, *args) -> None:
+    def __call__(self, variant: tuple, grid: int, tensors: tuple, *scalars) -> None:
+        """``tensors``: the pointer arguments, first in the kernel's order; ``scalars``: the rest."""
         hit = self.compiled.get(variant) if self.cuda else None
         if hit is not None:
-            hit[0][(grid, 1, 1)](*args, *hit[1])
+            compiled, consts = hit
+            if not (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+                compiled.run(grid, 1, 1, self.raw_stream(self.index), compiled.function, compiled.packed_metadata, None, None,
+                             None, *[t.data_ptr() for t in tensors], *scalars, *consts)
+            else:
+                compiled[(grid, 1, 1)](*tensors, *scalars, *consts)
             return
         kwargs = dict(self.constexprs, ALIGNED=variant[1])
         if not self.cuda:
             with np.errstate(all="ignore"):  # the interpreter also evaluates masked-off lanes
-                self.kernel[(grid,)](*args, num_warps=self.num_warps, **kwargs)
+                self.kernel[(grid,)](*tensors, *scalars, num_warps=self.options["num_warps"], **kwargs)
             return
-        compiled = self.kernel[(grid,)](*args, num_warps=self.num_warps, **kwargs)
-        # The handle takes every parameter in order; it ignores the constexprs' values.
-        self.compiled[variant] = (compiled, tuple(kwargs[name] for name in self.kernel.arg_names[len(args):]))
+        compiled = self.kernel[(grid,)](*tensors, *scalars, **self.options, **kwargs)
+        # The launcher takes every parameter in order; it ignores the constexprs' values.
+        n_args = len(tensors) + len(scalars)
+        self.compiled[variant] = (compiled, tuple(kwargs[name] for name in self.kernel.arg_names[n_args:]))
 
 
 class TritonTransport:
@@ -54,12 +73,16 @@ class TritonTransport:
     name = "triton"
 
     def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
-                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool):
+                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool, pdl: bool):
         self.group, self.layout, self.device, self.max_programs = group, layout, device, max_programs
         self.rank = dist.get_rank(group)
         kernel = build_kernels(interpret=device.type == "cpu").fused
-        self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace), w)
-                      for w in layout.tilings}
+        # Programmatic launch only where launch latency counts: the small calls' tiling (on an
+        # H200 it made N = 6, B = 512 calls 5% slower, where a 16-warp program fills an SM).
+        pdl_warps = layout.warps_for(1) if pdl else 0
+        self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace,
+                                                        PDL=w == pdl_warps),
+                                   dict(num_warps=w, launch_pdl=w == pdl_warps)) for w in layout.tilings}
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []
@@ -96,10 +119,10 @@ class TritonTransport:
         div = 8 if variant[1] else 1
         (s_po_b, s_po_h, _), (s_y_b, s_y_h, _) = po.stride(), y.stride()
         self.fused[warps](variant, max(1, min(n_tiles, self.max_programs, EPOCH_STRIDE)),
-                   po, lse, y, y_lse, self.ctl[channel], n_tokens, self.rank,
-                   s_po_b // div, s_po_h // div, lse.stride(0), lse.stride(-1),
-                   s_y_b // div, s_y_h // div, y_lse.stride(0), y_lse.stride(-1),
-                   int(write_lse), _LOG2E if base_e else 1.0)
+                          (po, lse, y, y_lse, self.ctl[channel]), n_tokens, self.rank,
+                          s_po_b // div, s_po_h // div, lse.stride(0), lse.stride(-1),
+                          s_y_b // div, s_y_h // div, y_lse.stride(0), y_lse.stride(-1),
+                          int(write_lse), _LOG2E if base_e else 1.0)
 
     def load(self, variant, po, lse, y, y_lse) -> None:
         """Compile and load a variant in every tiling, with launches that touch nothing (B = 0)."""
@@ -156,8 +179,8 @@ class NcclTransport:
         kernels = build_kernels(interpret=device.type == "cpu")
         warps = layout.warps_for(1)  # one tiling: these kernels never wait, so size matters less
         self.block_rows = layout.tilings[warps]
-        self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), warps)
-        self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), warps)
+        self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), dict(num_warps=warps))
+        self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
@@ -170,11 +193,11 @@ class NcclTransport:
         div = 8 if variant[1] else 1
         used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
         send, recv = self.send[channel][:used], self.recv[channel][:used]
-        self.pack(variant, grid, po, lse, send, n_tokens,
+        self.pack(variant, grid, (po, lse, send), n_tokens,
                   po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1))
         if n_tokens:
             dist.all_to_all_single(recv, send, group=self.group)
-        self.combine(variant, grid, recv, y, y_lse, n_tokens, y.stride(0) // div,
+        self.combine(variant, grid, (recv, y, y_lse), n_tokens, y.stride(0) // div,
                      y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1), int(write_lse),
                      _LOG2E if base_e else 1.0)
 

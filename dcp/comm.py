@@ -66,7 +66,10 @@ class DcpAllToAll:
 
     ``max_programs`` (default: the device's SMs over its ranks and the channels) sizes the
     kernel's grid; ``num_warps`` fixes the warps per program (default: 8 below 128 tokens per
-    launch, 16 from there). ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
+    launch, 16 from there). ``pdl`` (default: on where the GPU has it, compute capability 9.0 and
+    up) launches the triton kernel with programmatic dependent launch: a call's programs are
+    scheduled while the previous kernel of the stream finishes, and wait for it on the device.
+    ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int = 64, num_heads: int = 0,
@@ -74,7 +77,7 @@ class DcpAllToAll:
                  device: Optional[Union[torch.device, str, int]] = None, *,
                  backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
                  max_programs: Optional[int] = None, num_warps: Optional[int] = None,
-                 check: Optional[bool] = None):
+                 pdl: Optional[bool] = None, check: Optional[bool] = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -90,6 +93,8 @@ class DcpAllToAll:
         self._closed = True
 
         self.num_warps = num_warps
+        self._has_pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0)
+        self.pdl = self._has_pdl if pdl is None else pdl
         self.tracing = os.environ.get("DCP_A2A_TRACE", "0") not in ("", "0")
         geometry = (max_tokens, num_heads, head_dim, str(dtype), channels, self.world, requested, num_warps)
         where = self._where()
@@ -145,6 +150,10 @@ class DcpAllToAll:
             return f"device must be cuda or cpu; got {self.device}"
         if self.num_warps not in (None, 1, 2, 4, 8, 16):
             return f"num_warps must be None or a power of two from 1 to 16; got {self.num_warps!r}"
+        if self.pdl not in (False, True):
+            return f"pdl must be None, True or False; got {self.pdl!r}"
+        if self.pdl and not self._has_pdl:
+            return f"pdl=True needs a GPU of compute capability 9.0 or newer; {self.device} is not one"
         return None
 
     def _default_programs(self) -> int:
@@ -193,7 +202,7 @@ class DcpAllToAll:
             try:
                 transport = TritonTransport(self.group, self.layout, self.device, self.channels,
                                             self.timeout_s, self.max_programs, self._gpu_scope(),
-                                            self.tracing)
+                                            self.tracing, self.pdl)
                 reason = "requested" if requested == "triton" else "every rank reaches every peer's buffer"
             except DcpError as exc:  # raised on every rank alike: the fallback is collective too
                 if requested == "triton":
@@ -403,4 +412,4 @@ class DcpAllToAll:
         return (f"DcpAllToAll(world={self.world}, rank={self.rank}, heads={self.num_heads}, "
                 f"head_dim={self.head_dim}, max_tokens={self.max_tokens}, dtype={self.dtype}, "
                 f"device={self.device}, channels={self.channels}, backend={self.backend}, "
-                f"provider={self.provider})")
+                f"provider={self.provider}, pdl={self.pdl})")

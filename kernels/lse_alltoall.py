@@ -30,6 +30,7 @@ import types
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # The epoch kept on the device runs over [0, EPOCH_PERIOD); a call uses e = epoch + 1, in
 # [1, EPOCH_PERIOD]. The period is even so that the slot parity e & 1 alternates across the wrap,
@@ -166,17 +167,21 @@ def lse_alltoall_kernel(
     N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
     FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     if n_tokens > 0:  # n_tokens == 0 is a load-only launch: touches nothing
-        t_start = _stamp(pid, TRACE)
         s_po_b, s_po_h, s_y_b, s_y_h = _scale_strides(s_po_b, s_po_h, s_y_b, s_y_h, ALIGNED)
-        local = tl.load(ctl + rank)
+        local = tl.load(ctl + rank)  # ctl is written once, at construction
         status = tl.load(ctl + _CTL_STATUS).to(tl.pointer_type(tl.int32))
         timeout = tl.load(ctl + _CTL_TIMEOUT)
         state = local.to(tl.pointer_type(tl.int32))
+        if PDL:
+            # Launched early (programmatic dependent launch): from here on, everything the
+            # previous kernel of the stream wrote (inputs, this channel's epoch) is visible.
+            gdc_wait()
+        t_start = _stamp(pid, TRACE)
         e = (tl.load(state, volatile=True).to(tl.uint32, bitcast=True) >> _SHIFT).to(tl.int32) + 1
         slot = e & 1
         # A flag is one 64-bit word: the epoch, and the B its sender was called with above it.
@@ -249,6 +254,11 @@ def lse_alltoall_kernel(
         _fence(e, GPU_SCOPE)
         tl.debug_barrier()
         t_arrived = _stamp(t, TRACE)
+        if PDL:
+            # The next call may now be scheduled: every peer's programs are resident (their tiles
+            # arrived), and its programs wait (above) only for this grid, which needs nothing more
+            # from other ranks, so the SM slots they hold cannot keep a peer's call from finishing.
+            gdc_launch_dependents()
 
         # Combine every tile of this program from local memory.
         recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)

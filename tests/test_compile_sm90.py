@@ -14,7 +14,7 @@ from triton.compiler import ASTSource
 from dcp.protocol import ChannelLayout
 from kernels import build_kernels
 
-def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warps: int = 8):
+def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warps: int = 8, pdl: bool = False):
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -28,7 +28,7 @@ def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warp
     attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in aligned_ptrs}
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(c),): v for c, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "launch_pdl": pdl}).asm["ptx"]
 
 
 def _spill_bytes(ptx: str, tmp_path) -> int:
@@ -42,21 +42,26 @@ def _spill_bytes(ptx: str, tmp_path) -> int:
     return sum(int(n) for n in found)
 
 
-@pytest.mark.parametrize("lse_ty,scope,warps", [("fp32", "sys", 8), ("bf16", "sys", 8), ("fp32", "gpu", 8),
-                                                ("fp32", "gpu", 16)])
-def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope, warps, tmp_path):
+@pytest.mark.parametrize("lse_ty,scope,warps,pdl", [("fp32", "sys", 8, False), ("bf16", "sys", 8, True),
+                                                    ("fp32", "gpu", 8, True), ("fp32", "gpu", 16, False)])
+def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope, warps, pdl, tmp_path):
     lay = ChannelLayout(world=6, heads_per_rank=16, head_dim=512, max_tokens=512)
     assert set(lay.tilings) == {8, 16}
     ptx = _compile(build_kernels(False).fused,
                    {"po": "*bf16", "lse": f"*{lse_ty}", "y": "*bf16", "y_lse": "*fp32", "ctl": "*i64"},
-                   dict(lay.constexprs(warps), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False),
-                   aligned_ptrs=("po", "y"), num_warps=warps)
+                   dict(lay.constexprs(warps), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False, PDL=pdl),
+                   aligned_ptrs=("po", "y"), num_warps=warps, pdl=pdl)
     assert _spill_bytes(ptx, tmp_path) == 0, "register spills"
     other = {"sys": "gpu", "gpu": "sys"}[scope]
     assert f"fence.acq_rel.{scope}" in ptx and f"fence.acq_rel.{other}" not in ptx
     assert f"st.relaxed.{scope}.global.b64" in ptx and f"ld.relaxed.{scope}.global.b64" in ptx  # flag: B << 32 | epoch
     assert f"relaxed.{other}" not in ptx
     assert "%globaltimer" in ptx
+    if pdl:  # wait for the previous grid before the epoch is read; release the next once all arrived
+        wait, state, release = ptx.find("griddepcontrol.wait"), ptx.find("ld.volatile"), ptx.find("griddepcontrol.launch_dependents")
+        assert 0 <= wait < state and release > ptx.rfind(f"ld.relaxed.{scope}.global.b64")
+    else:
+        assert "griddepcontrol" not in ptx
     assert "atom.global.gpu.relaxed.add" in ptx and "trap" not in ptx  # the epoch advance; never trap
     # packed rows move as 16-byte vectors, both the pushes and the combine's reads
     assert len(re.findall(r"st\.global\.v4", ptx)) >= 6 and len(re.findall(r"ld\.global\.v4", ptx)) >= 12

@@ -67,6 +67,7 @@ def test_bad_calls_raise_clear_errors(worlds):
     (dict(max_tokens=2, num_heads=6, head_dim=2048), "head_dim"),
     (dict(max_tokens=0, num_heads=6, head_dim=16), "max_tokens"),
     (dict(max_tokens=2, num_heads=6, head_dim=16, num_warps=3), "num_warps"),
+    (dict(max_tokens=2, num_heads=6, head_dim=16, pdl=True), "pdl"),  # CPU: no programmatic launch
 ])
 def test_bad_geometry_fails_on_every_rank(worlds, kwargs, needle):
     msgs = worlds(3).run(rc.construct_expect_error, **kwargs)

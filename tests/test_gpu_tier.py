@@ -53,12 +53,14 @@ def test_one_launch_per_call(worlds):
     w.run(rc.close_comm, "launch")
 
 
-@pytest.mark.parametrize("n", [3, 6])
-def test_graphs_replayed_in_any_order(worlds, n):
+@pytest.mark.parametrize("n,pdl", [(3, None), (3, False), (6, None)])
+def test_graphs_replayed_in_any_order(worlds, n, pdl):
     w = worlds(n, "cuda")
     # few programs: each walks several tiles
-    w.run(rc.make_comm, "graphs", device="cuda", max_tokens=64, num_heads=4 * n, head_dim=128,
-          max_programs=3)
+    reprs = w.run(rc.make_comm, "graphs", device="cuda", max_tokens=64, num_heads=4 * n, head_dim=128,
+                  max_programs=3, pdl=pdl)
+    # programmatic dependent launch by default on Hopper; off when asked
+    assert all(f"pdl={pdl is None}" in r for r in reprs), reprs
     sizes = [1, 2, 3, 8, 17, 64, 100, 512]
     res = w.run(rc.graph_case, "graphs", fresh_seed(), sizes=sizes, calls_per_graph=3, replays=24,
                 timeout=600)
