@@ -117,11 +117,11 @@ class TritonTransport:
         warps = warps or lay.warps_for(n_tokens)
         n_tiles = -(-n_tokens * lay.heads_per_rank // lay.tilings[warps])
         div = 8 if variant[1] else 1
-        (s_po_b, s_po_h, _), (s_y_b, s_y_h, _) = po.stride(), y.stride()
+        (s_po_b, s_po_h, _), (s_y_b, s_y_h, _), s_lse, s_yl = po.stride(), y.stride(), lse.stride(), y_lse.stride()
         self.fused[warps](variant, max(1, min(n_tiles, self.max_programs, EPOCH_STRIDE)),
                           (po, lse, y, y_lse, self.ctl[channel]), n_tokens, self.rank,
-                          s_po_b // div, s_po_h // div, lse.stride(0), lse.stride(-1),
-                          s_y_b // div, s_y_h // div, y_lse.stride(0), y_lse.stride(-1),
+                          s_po_b // div, s_po_h // div, s_lse[0], s_lse[-1],
+                          s_y_b // div, s_y_h // div, s_yl[0], s_yl[-1],
                           int(write_lse), _LOG2E if base_e else 1.0)
 
     def load(self, variant, po, lse, y, y_lse) -> None:
