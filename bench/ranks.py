@@ -4,7 +4,8 @@ On a GPU the timed calls are queued behind a sleeping kernel long enough for the
 all of them (nvbench's blocking kernel), so that device events time the calls back to back rather
 than the Python loop that launches them; host time per call is measured separately. A point whose
 queue ran dry before the host finished (the first timed call had already started) is reported as
-not held.
+not held. Two loops: events around every step (median, p10, p90), then, as nccl-tests does, one
+pair of events around all steps (``loop_us``, the mean per call with nothing between the steps).
 """
 
 import statistics
@@ -42,11 +43,17 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
     return comm.pdl and comm.backend == "triton"
 
 
-def all_agree(ok: bool) -> bool:
-    """True on every rank if it is true on every rank (ranks redo a timed loop together)."""
+def gather(value) -> list:
+    """Every rank's value, on every rank."""
     seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, ok)
-    return all(seen)
+    dist.all_gather_object(seen, value)
+    return seen
+
+
+def _hold(state, us: float) -> None:
+    """Queue a sleeping kernel of about ``us`` microseconds (at least 1 ms) after a barrier."""
+    dist.barrier()
+    torch.cuda._sleep(int(state["cycles_per_us"] * (us + 1000)))
 
 
 def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
@@ -74,18 +81,20 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     t0 = time.perf_counter()
     for _ in range(min(10, iters)):
         step()
-    warm_us = (time.perf_counter() - t0) * 1e6 / min(10, iters)
+    warm_us = (time.perf_counter() - t0) * 1e6 / min(10, iters)  # host time per step
     if cuda:
         torch.cuda.synchronize()
-    dist.barrier()
-    times, host, held, span = [], [], True, float("nan")
+    # Every rank holds its queue equally long (the slowest host's estimate), so the ranks start
+    # their timed calls together.
+    warm_us = max(gather(warm_us))
+    times, host, held, loop = [], [], True, float("nan")
     if cuda:
-        # Hold the queue for three times the loop's expected host time (two event records per
-        # step); where the GPU clock ran slower than when it was calibrated, hold longer and redo.
+        # Per-step events: hold the queue three times the loop's expected host time (two event
+        # records per step); where the GPU clock ran slower than when calibrated, hold longer, redo.
         for attempt in range(3):
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
             host = []
-            torch.cuda._sleep(int(state["cycles_per_us"] * (3 * iters * (warm_us + 10) + 1000) * 4 ** attempt))
+            _hold(state, 3 * iters * (warm_us + 10) * 4 ** attempt)
             for a, b in ev:
                 a.record()
                 t0 = time.perf_counter()
@@ -94,10 +103,19 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
                 b.record()
             held = not ev[0][0].query()
             torch.cuda.synchronize()
-            if all_agree(held):
+            if all(gather(held)):
                 break
         times = [a.elapsed_time(b) * 1e3 / calls for a, b in ev]
-        span = ev[0][0].elapsed_time(ev[-1][1]) * 1e3 / (iters * calls)
+        # nccl-tests' way: one pair of events around the whole (held) loop, none between steps.
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _hold(state, 3 * iters * warm_us * 4 ** attempt)
+        a.record()
+        for _ in range(iters):
+            step()
+        b.record()
+        held = all(gather(not a.query())) and held
+        b.synchronize()
+        loop = a.elapsed_time(b) * 1e3 / (iters * calls)
     else:
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -108,7 +126,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     comm.check()
     res = _percentiles(times)
     res["host_us"] = statistics.median(host) / calls
-    res["held"], res["span_us"] = held, span  # span: first to last event over the calls, per call
+    res["held"], res["loop_us"] = held, loop
     res["max_rel_err"] = err
     return res
 
