@@ -39,7 +39,9 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         torch.cuda._sleep(10 ** 7)
         b.record()
         b.synchronize()
-        state["cycles_per_us"] = 10 ** 7 / (a.elapsed_time(b) * 1e3)
+        # One rate for all ranks (the fastest clock seen), so that equal holds last equally long:
+        # a rank that calibrated while the GPU idled at a low clock would otherwise start late.
+        state["cycles_per_us"] = max(gather(10 ** 7 / (a.elapsed_time(b) * 1e3)))
     return comm.pdl and comm.backend == "triton"
 
 
