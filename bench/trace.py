@@ -5,7 +5,8 @@
 Every rank replays a CUDA graph of ``--calls`` calls (like a model's layers) with the trace compiled
 in (``DCP_A2A_TRACE=1``). Device times (``%globaltimer``, one clock for all ranks of one GPU) split
 each call of each rank into: the gap since its previous call had combined (epoch advance, kernel
-exit, next launch), its pushes up to the last flag published, the wait for the slowest peer to
+exit, next launch; with programmatic launch, until the wait for the previous kernel returns), its
+pushes up to the last flag published, the wait for the slowest peer to
 publish, the time from that peer's publish until this rank had seen every tile (flag latency), and
 the combine. The table gives medians over the calls after the first of each graph and over ranks.
 The trace costs a few timer reads and stores per program: times run slightly above the untraced

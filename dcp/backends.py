@@ -30,13 +30,13 @@ class _Launcher:
     """Launches one kernel; on CUDA through the compiled variant's own launcher once it is loaded.
 
     Triton's JIT entry point rebinds the arguments, recomputes the specialization key and rechecks
-    the kernel's globals on every launch, and its compiled-kernel handle still looks up the device
-    and stream and asks the driver about every tensor argument: most of an eager call's host time
-    (``python -m bench.host_time``). A loaded variant needs none of that: it is launched with the
-    pointers as integers on the stream of ``device``. ``variant`` must determine everything Triton
-    specializes on (``DcpAllToAll._variant``; its second field says whether rows are 16-byte
-    aligned). On CPU tensors the interpreter runs the kernel. Profiler hooks, when set, take
-    Triton's own path.
+    the kernel's globals on every launch (it was most of an eager call's host time,
+    ``python -m bench.host_time``); its compiled-kernel handle still looks up the device and stream,
+    builds launch metadata and asks the driver about every tensor pointer. A loaded variant needs
+    none of that: it is launched with the pointers as integers on the stream of ``device``.
+    ``variant`` must determine everything Triton specializes on (``DcpAllToAll._variant``; its
+    second field says whether rows are 16-byte aligned). On CPU tensors the interpreter runs the
+    kernel. With a launch hook set (profilers), Triton's handle launches it, so the hooks run.
     """
 
     def __init__(self, kernel, device: torch.device, constexprs: dict, options: dict):
@@ -51,8 +51,8 @@ class _Launcher:
         if hit is not None:
             compiled, consts = hit
             if not (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
-                compiled.run(grid, 1, 1, self.raw_stream(self.index), compiled.function, compiled.packed_metadata, None, None,
-                             None, *[t.data_ptr() for t in tensors], *scalars, *consts)
+                compiled.run(grid, 1, 1, self.raw_stream(self.index), compiled.function, compiled.packed_metadata,
+                             None, None, None, *[t.data_ptr() for t in tensors], *scalars, *consts)
             else:
                 compiled[(grid, 1, 1)](*tensors, *scalars, *consts)
             return
