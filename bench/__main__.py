@@ -152,10 +152,9 @@ def main(argv=None) -> None:
                                 res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
                                 lay = ChannelLayout(n, args.heads_per_rank, d, max(args.batch), args.num_warps)
                                 warps = lay.warps_for(B if backend == "triton" else 1)
-                                # the transport launches only the small calls' tiling programmatically
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
                                                  backend, rate, shared, cuda, warps,
-                                                 pdl and warps == lay.warps_for(1)))
+                                                 pdl and lay.launches_early(warps)))
                                 print(f"\r[{len(rows)}] N={n} {backend} D={d} B={B} {mode}: "
                                       f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
             finally:

@@ -77,12 +77,10 @@ class TritonTransport:
         self.group, self.layout, self.device, self.max_programs = group, layout, device, max_programs
         self.rank = dist.get_rank(group)
         kernel = build_kernels(interpret=device.type == "cpu").fused
-        # Programmatic launch only where launch latency counts: the small calls' tiling (on an
-        # H200 it made N = 6, B = 512 calls 5% slower, where a 16-warp program fills an SM).
-        pdl_warps = layout.warps_for(1) if pdl else 0
+        early = {w: pdl and layout.launches_early(w) for w in layout.tilings}
         self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace,
-                                                        PDL=w == pdl_warps),
-                                   dict(num_warps=w, launch_pdl=w == pdl_warps)) for w in layout.tilings}
+                                                        PDL=early[w]),
+                                   dict(num_warps=w, launch_pdl=early[w])) for w in layout.tilings}
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []

@@ -45,6 +45,9 @@ def test_small_and_large_call_tilings_alternate(worlds):
     w.run(rc.make_comm, "tiles", max_tokens=LARGE_CALL_TOKENS + 8, num_heads=3, head_dim=128)
     lay = ChannelLayout(world=3, heads_per_rank=1, head_dim=128, max_tokens=LARGE_CALL_TOKENS + 8)
     assert len(set(lay.tilings.values())) == 2
+    # programmatic launch (GPU only) for the small calls' tiling, or for the one a user fixes
+    assert [lay.launches_early(w) for w in sorted(lay.tilings)] == [True, False]
+    assert ChannelLayout(3, 1, 128, 512, num_warps=16).launches_early(16)
     sizes = [LARGE_CALL_TOKENS, 5, LARGE_CALL_TOKENS + 8, 2 * LARGE_CALL_TOKENS + 30, 1]  # the fourth is chunked
     for i, B in enumerate(sizes):
         w.run(rc.lse_case, "tiles", seed + i, B=B, use_out=True, special=i % 2 == 0)
