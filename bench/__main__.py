@@ -147,10 +147,10 @@ def main(argv=None) -> None:
                     for d in args.head_dim:
                         pdl = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
                                     args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl])[0]
+                        lay = ChannelLayout(n, args.heads_per_rank, d, max(args.batch), args.num_warps)
                         for B in args.batch:
                             for mode in args.modes:
                                 res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
-                                lay = ChannelLayout(n, args.heads_per_rank, d, max(args.batch), args.num_warps)
                                 warps = lay.warps_for(B if backend == "triton" else 1)
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
                                                  backend, rate, shared, cuda, warps,
