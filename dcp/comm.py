@@ -67,8 +67,9 @@ class DcpAllToAll:
     ``max_programs`` (default: the device's SMs over its ranks and the channels) sizes the
     kernel's grid; ``num_warps`` fixes the warps per program (default: 8 below 128 tokens per
     launch, 16 from there). ``pdl`` (default: on where the GPU has it, compute capability 9.0 and
-    up) launches calls below 128 tokens with programmatic dependent launch: their programs are
-    scheduled while the previous kernel of the stream finishes, and wait for it on the device.
+    up) launches calls below 128 tokens (all calls when ``num_warps`` is set) with programmatic
+    dependent launch: their programs are scheduled while the previous kernel of the stream
+    finishes, and wait for it on the device.
     ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
     """
 
