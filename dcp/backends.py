@@ -12,13 +12,14 @@ import torch.distributed as dist
 from triton import knobs
 from triton.runtime import driver
 
-from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS,
-                     build_kernels)
+from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, MAX_REGS, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS,
+                     TRACE_WORDS, build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
 from dcp.protocol import ChannelLayout, raise_status, status_words
 
 _LOG2E = 1.4426950408889634
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _hooked(hook) -> bool:
@@ -33,26 +34,29 @@ class _Launcher:
     the kernel's globals on every launch (it was most of an eager call's host time,
     ``python -m bench.host_time``); its compiled-kernel handle still looks up the device and stream,
     builds launch metadata and asks the driver about every tensor pointer. A loaded variant needs
-    none of that: it is launched with the pointers as integers on the stream of ``device``.
-    ``variant`` must determine everything Triton specializes on (``DcpAllToAll._variant``; its
-    second field says whether rows are 16-byte aligned). On CPU tensors the interpreter runs the
-    kernel. With a launch hook set (profilers), Triton's handle launches it, so the hooks run.
+    none of that: it is launched with the pointers as integers on the stream of ``device``, by the
+    launcher's C entry point where the kernel needs no scratch memory (Triton 3.6's Python wrapper
+    around it only allocates scratch). ``variant`` must determine everything Triton specializes on
+    (``DcpAllToAll._operands``; its second field says whether rows are 16-byte aligned). On CPU
+    tensors the interpreter runs the kernel. With a launch hook set (profilers), Triton's handle
+    launches it, so the hooks run.
     """
 
     def __init__(self, kernel, device: torch.device, constexprs: dict, options: dict):
         self.kernel, self.cuda, self.constexprs, self.options = kernel, device.type == "cuda", constexprs, options
         self.index = device.index
         self.raw_stream = driver.active.get_current_stream if self.cuda else None
-        self.compiled: dict = {}  # variant -> (compiled kernel, the constexprs' positional values)
+        # variant -> (compiled kernel, launch entry, its arguments before the kernel's, constexpr values)
+        self.compiled: dict = {}
 
     def __call__(self, variant: tuple, grid: int, tensors: tuple, *scalars) -> None:
         """``tensors``: the pointer arguments, first in the kernel's order; ``scalars``: the rest."""
-        hit = self.compiled.get(variant) if self.cuda else None
+        hit = self.compiled.get(variant)  # (never on CPU)
         if hit is not None:
-            compiled, consts = hit
+            compiled, entry, head, consts = hit
             if not (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
-                compiled.run(grid, 1, 1, self.raw_stream(self.index), compiled.function, compiled.packed_metadata,
-                             None, None, None, *[t.data_ptr() for t in tensors], *scalars, *consts)
+                entry(grid, 1, 1, self.raw_stream(self.index), compiled.function, *head,
+                      *map(_data_ptr, tensors), *scalars, *consts)
             else:
                 compiled[(grid, 1, 1)](*tensors, *scalars, *consts)
             return
@@ -62,9 +66,15 @@ class _Launcher:
                 self.kernel[(grid,)](*tensors, *scalars, num_warps=self.options["num_warps"], **kwargs)
             return
         compiled = self.kernel[(grid,)](*tensors, *scalars, **self.options, **kwargs)
-        # The launcher takes every parameter in order; it ignores the constexprs' values.
+        # The launchers take every parameter in order; they ignore the constexprs' values.
         n_args = len(tensors) + len(scalars)
-        self.compiled[variant] = (compiled, tuple(kwargs[name] for name in self.kernel.arg_names[n_args:]))
+        consts = tuple(kwargs[name] for name in self.kernel.arg_names[n_args:])
+        run, tail = compiled.run, (compiled.packed_metadata, None, None, None)  # launch metadata, hooks
+        if getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0:
+            self.compiled[variant] = (compiled, run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+                                      + tail, consts)
+        else:
+            self.compiled[variant] = (compiled, run, tail, consts)
 
 
 class TritonTransport:
@@ -73,14 +83,21 @@ class TritonTransport:
     name = "triton"
 
     def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
-                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool, pdl: bool):
-        self.group, self.layout, self.device, self.max_programs = group, layout, device, max_programs
+                 channels: int, timeout_s: float, programs: dict, gpu_scope: bool, trace: bool, pdl: bool):
+        self.group, self.layout, self.device = group, layout, device
         self.rank = dist.get_rank(group)
         kernel = build_kernels(interpret=device.type == "cpu").fused
         early = {w: pdl and layout.launches_early(w) for w in layout.tilings}
         self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace,
                                                         PDL=early[w]),
-                                   dict(num_warps=w, launch_pdl=early[w])) for w in layout.tilings}
+                                   dict(num_warps=w, launch_pdl=early[w], maxnreg=MAX_REGS)) for w in layout.tilings}
+        # By call size (0 to max_tokens): its tiling's launcher and its grid, at most ``programs``
+        # of that tiling (all of them resident at once) and never more than tiles.
+        self.plan = []
+        for n in range(layout.max_tokens + 1):
+            w = layout.warps_for(n)
+            tiles = -(-n * layout.heads_per_rank // layout.tilings[w])
+            self.plan.append((self.fused[w], max(1, min(tiles, programs[w], EPOCH_STRIDE))))
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []
@@ -110,22 +127,16 @@ class TritonTransport:
             self._status_keep = ctypes.create_string_buffer(nbytes)
             self.status_addr = ctypes.addressof(self._status_keep)
 
-    def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, warps=0) -> None:
-        lay = self.layout
-        warps = warps or lay.warps_for(n_tokens)
-        n_tiles = -(-n_tokens * lay.heads_per_rank // lay.tilings[warps])
-        div = 8 if variant[1] else 1
-        (s_po_b, s_po_h, _), (s_y_b, s_y_h, _), s_lse, s_yl = po.stride(), y.stride(), lse.stride(), y_lse.stride()
-        self.fused[warps](variant, max(1, min(n_tiles, self.max_programs, EPOCH_STRIDE)),
-                          (po, lse, y, y_lse, self.ctl[channel]), n_tokens, self.rank,
-                          s_po_b // div, s_po_h // div, s_lse[0], s_lse[-1],
-                          s_y_b // div, s_y_h // div, s_yl[0], s_yl[-1],
-                          int(write_lse), _LOG2E if base_e else 1.0)
+    def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, plan=None) -> None:
+        """``strides``: the kernel's eight stride arguments (``DcpAllToAll._operands``)."""
+        fused, grid = plan or self.plan[n_tokens]
+        fused(variant, grid, (po, lse, y, y_lse, self.ctl[channel]), n_tokens, self.rank, *strides,
+              int(write_lse), _LOG2E if base_e else 1.0)
 
-    def load(self, variant, po, lse, y, y_lse) -> None:
+    def load(self, variant, strides, po, lse, y, y_lse) -> None:
         """Compile and load a variant in every tiling, with launches that touch nothing (B = 0)."""
-        for warps in self.fused:
-            self.launch(variant, po, lse, y, y_lse, 0, 0, False, True, warps)
+        for fused in self.fused.values():
+            self.launch(variant, strides, po, lse, y, y_lse, 0, 0, False, True, (fused, 1))
 
     def trace_records(self, channel: int) -> torch.Tensor:
         """The traced calls' records, by epoch: int64 [calls, programs, TRACE_WORDS]."""
@@ -185,23 +196,20 @@ class NcclTransport:
         # The group's first collective sets up its communicator: here, not inside a capture.
         dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
 
-    def launch(self, variant, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
+    def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
         lay = self.layout
         grid = max(1, -(-n_tokens * lay.heads_per_rank // self.block_rows))
-        div = 8 if variant[1] else 1
         used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
         send, recv = self.send[channel][:used], self.recv[channel][:used]
-        self.pack(variant, grid, (po, lse, send), n_tokens,
-                  po.stride(0) // div, po.stride(1) // div, lse.stride(0), lse.stride(-1))
+        self.pack(variant, grid, (po, lse, send), n_tokens, *strides[:4])
         if n_tokens:
             dist.all_to_all_single(recv, send, group=self.group)
-        self.combine(variant, grid, (recv, y, y_lse), n_tokens, y.stride(0) // div,
-                     y.stride(1) // div, y_lse.stride(0), y_lse.stride(-1), int(write_lse),
+        self.combine(variant, grid, (recv, y, y_lse), n_tokens, *strides[4:], int(write_lse),
                      _LOG2E if base_e else 1.0)
 
-    def load(self, variant, po, lse, y, y_lse) -> None:
+    def load(self, variant, strides, po, lse, y, y_lse) -> None:
         """Compile and load a variant with launches of no rows (and no exchange)."""
-        self.launch(variant, po, lse, y, y_lse, 0, 0, False, True)
+        self.launch(variant, strides, po, lse, y, y_lse, 0, 0, False, True)
 
     def check(self, channels: int) -> None:
         pass  # NCCL reports its own failures

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from kernels import MAX_PEERS
+from kernels import MAX_PEERS, MAX_REGS
 from dcp.backends import NcclTransport, TritonTransport
 from dcp.errors import DcpError
 from dcp.protocol import ChannelLayout
@@ -30,9 +30,10 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def _expect(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
-    """Accept ``t`` or raise naming what was expected and what came (messages built only then)."""
-    if (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device
-            and (len(shape) != 3 or t.stride(2) == 1 or shape[2] <= 1)):
+    """Accept ``t`` or raise naming what was expected and what came (messages built only then).
+
+    The last dimension's stride is checked where strides are read (``DcpAllToAll._operands``)."""
+    if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device:
         return
     want = "[" + ", ".join(str(s) for s in shape) + "]"
     if not isinstance(t, torch.Tensor):
@@ -43,9 +44,18 @@ def _expect(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> 
         raise ValueError(f"{name}: expected shape {want}, got {_shape(t)}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
+    raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def _unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
+    if stride != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
+
+
+def programs_per_sm(warps: int, regs_per_sm: int, threads_per_sm: int) -> int:
+    """How many programs of the fused kernel fit on one SM at once, bounded by registers (at most
+    MAX_REGS per thread, a compile option) and threads; its shared memory is far below either."""
+    return max(1, min(regs_per_sm // (MAX_REGS * 32 * warps), threads_per_sm // (32 * warps)))
 
 
 class DcpAllToAll:
@@ -64,8 +74,9 @@ class DcpAllToAll:
     all-to-all, combine) or ``"auto"`` (triton where every rank reaches every peer's buffer, else
     nccl, decided by all ranks together). ``None`` reads ``DCP_A2A_BACKEND`` (default ``auto``).
 
-    ``max_programs`` (default: the device's SMs over its ranks and the channels) sizes the
-    kernel's grid; ``num_warps`` fixes the warps per program (default: 8 below 128 tokens per
+    ``max_programs`` caps the kernel's grid (default: as many programs as fit on the device at once,
+    shared out among the ranks on it and the channels: 2 per SM at 8 warps, 1 at 16 on an H200,
+    whose registers bound them); ``num_warps`` fixes the warps per program (default: 8 below 128 tokens per
     launch, 16 from there). ``pdl`` (default: on where the GPU has it, compute capability 9.0 and
     up) launches calls below 128 tokens (all calls when ``num_warps`` is set) with programmatic
     dependent launch: their programs are scheduled while the previous kernel of the stream
@@ -106,7 +117,8 @@ class DcpAllToAll:
                            f"dtype, channels, world, backend, num_warps): {[f[0] for f in facts]}")
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
         self.layout = ChannelLayout(self.world, self.heads_per_rank, head_dim, max_tokens, num_warps)
-        self.max_programs = max_programs or self._default_programs()
+        self.max_programs: dict = ({w: max_programs for w in self.layout.tilings} if max_programs
+                                   else self._default_programs())
         self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         self._ready: set = set()
         self._transport = self._select(requested, [f[2].split("/")[0] for f in facts], [f[3] for f in facts])
@@ -157,14 +169,19 @@ class DcpAllToAll:
             return f"pdl=True needs a GPU of compute capability 9.0 or newer; {self.device} is not one"
         return None
 
-    def _default_programs(self) -> int:
+    def _default_programs(self) -> dict:
+        """Programs per call, by tiling (warps): every waiting program of every rank and channel on
+        this device must be resident at once, so each gets an equal share of the SMs' room. The
+        fused kernel is compiled to at most MAX_REGS registers per thread, so registers (with
+        threads) bound how many programs of a tiling fit on one SM, for every variant."""
         if self.device.type == "cpu":
-            return 4
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        # Every waiting program of every rank and channel on this device must be resident at
-        # once. A 16-warp program (calls from 128 tokens) fills an SM's registers on an H200, so:
-        # one program per SM, shared out among the ranks and the channels that may run together.
-        return max(1, sms // (self.ranks_per_device * self.channels))
+            return {w: 4 for w in self.layout.tilings}
+        props = torch.cuda.get_device_properties(self.device)
+        per_sm = {w: programs_per_sm(w, getattr(props, "regs_per_multiprocessor", 65536),
+                                     getattr(props, "max_threads_per_multi_processor", 2048))
+                  for w in self.layout.tilings}
+        share = self.ranks_per_device * self.channels
+        return {w: max(1, props.multi_processor_count * per_sm[w] // share) for w in self.layout.tilings}
 
     def _triton_obstacle(self, hosts: list) -> Optional[str]:
         """Why the triton path cannot serve this group, as every rank sees it (None: it can)."""
@@ -218,17 +235,24 @@ class DcpAllToAll:
 
     # --- readiness -----------------------------------------------------------------------------
     @staticmethod
-    def _variant(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor) -> tuple:
-        """Everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer alignments.
+    def _operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: torch.Tensor) -> tuple:
+        """The launch's variant and its eight stride arguments, each tensor's strides read once.
 
-        A pointer counts as aligned only if every token's row is, so that the chunks of a call
-        with B > max_tokens share the variant of the whole call.
+        The variant is everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer
+        alignments. A pointer counts as aligned only if every token's row is, so that the chunks
+        of a call with B > max_tokens share the variant of the whole call. Aligned row strides go
+        to the kernel divided by 8, which proves their alignment to it.
         """
-        s_po, s_y = po.stride(), y.stride()
-        po_ok = po.data_ptr() % 16 == 0 and s_po[0] % 8 == 0
-        y_ok = y.data_ptr() % 16 == 0 and s_y[0] % 8 == 0
-        aligned = po_ok and y_ok and s_po[1] % 8 == 0 and s_y[1] % 8 == 0
-        return (lse.dtype, aligned, po_ok, y_ok)
+        (po_b, po_h, po_d), (y_b, y_h, y_d), s_lse, s_yl = po.stride(), y.stride(), lse.stride(), y_lse.stride()
+        if po_d != 1 or y_d != 1:
+            _unit_last_stride("partial_out", po, po_d)
+            _unit_last_stride("out", y, y_d)
+        po_ok = po.data_ptr() % 16 == 0 and po_b % 8 == 0
+        y_ok = y.data_ptr() % 16 == 0 and y_b % 8 == 0
+        if po_ok and y_ok and po_h % 8 == 0 and y_h % 8 == 0:
+            return ((lse.dtype, True, True, True),
+                    (po_b // 8, po_h // 8, s_lse[0], s_lse[-1], y_b // 8, y_h // 8, s_yl[0], s_yl[-1]))
+        return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, s_lse[0], s_lse[-1], y_b, y_h, s_yl[0], s_yl[-1])
 
     def warmup(self, partial_out: Optional[torch.Tensor] = None,
                partial_lse: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> None:
@@ -246,15 +270,16 @@ class DcpAllToAll:
             y = out if out is not None else torch.empty(
                 (1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
             lse = partial_lse if partial_lse is not None else self._lse_scratch
-            self._load(self._variant(partial_out, lse, y), partial_out, lse, y)
+            self._load(partial_out, lse, y)
             return
         po = torch.empty((1, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device)
         y = torch.empty((1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
         for lse_dtype in LSE_DTYPES:
             lse = torch.empty((1, self.num_heads), dtype=lse_dtype, device=self.device)
-            self._load(self._variant(po, lse, y), po, lse, y)
+            self._load(po, lse, y)
 
-    def _load(self, key: tuple, po, lse, y) -> None:
+    def _load(self, po, lse, y, operands: Optional[tuple] = None) -> None:
+        key, strides = operands or self._operands(po, lse, y, self._lse_scratch)
         if key in self._ready:
             return
         if self.device.type == "cuda":
@@ -265,7 +290,7 @@ class DcpAllToAll:
                     "partial_lse, out) with tensors of this layout before capture")
             stream = torch.cuda.current_stream(self.device)
             stream.synchronize()  # loading a module next to a spinning kernel can block
-            self._transport.load(key, po, lse, y, self._lse_scratch)
+            self._transport.load(key, strides, po, lse, y, self._lse_scratch)
             stream.synchronize()
         self._ready.add(key)
 
@@ -289,19 +314,20 @@ class DcpAllToAll:
             y_lse = out_lse if out_lse is not None else torch.empty(
                 (B, hn), dtype=torch.float32, device=self.device)
         if B > 0:
-            key = self._variant(partial_out, partial_lse, y)
-            if key not in self._ready:
-                self._load(key, partial_out, partial_lse, y)
             write_lse = y_lse is not None
             if not write_lse:
                 y_lse = self._lse_scratch
+            operands = self._operands(partial_out, partial_lse, y, y_lse)
+            key, strides = operands
+            if key not in self._ready:
+                self._load(partial_out, partial_lse, y, operands)
             if B <= self.max_tokens:
-                self._transport.launch(key, partial_out, partial_lse, y, y_lse, B, channel, write_lse,
+                self._transport.launch(key, strides, partial_out, partial_lse, y, y_lse, B, channel, write_lse,
                                        is_lse_base_on_e)
             else:
                 for b0 in range(0, B, self.max_tokens):
                     b1 = min(B, b0 + self.max_tokens)
-                    self._transport.launch(key, partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
+                    self._transport.launch(key, strides, partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
                                            y_lse[b0:b1] if write_lse else y_lse, b1 - b0, channel,
                                            write_lse, is_lse_base_on_e)
             if not write_lse:
@@ -312,9 +338,7 @@ class DcpAllToAll:
 
     def _validate(self, po, lse, out, out_lse, channel) -> int:
         hn, h, d, dev = self.heads_per_rank, self.num_heads, self.head_dim, self.device
-        if not isinstance(po, torch.Tensor) or po.dim() != 3:
-            _expect("partial_out", po, ("B", h, d), (self.dtype,), dev)
-        B = po.shape[0]
+        B = po.shape[0] if isinstance(po, torch.Tensor) and po.dim() == 3 else "B"  # "B": raises below
         _expect("partial_out", po, (B, h, d), (self.dtype,), dev)
         _expect("partial_lse", lse, (B, h), LSE_DTYPES, dev)
         if out is not None:

@@ -103,6 +103,8 @@ def bad_calls(state, key: str) -> list:
         "out_dtype": lambda: comm.lse_reduce(po, pl, out=torch.empty(2, hn, D, dtype=other, device=dev)),
         "last_dim_stride": lambda: comm.lse_reduce(
             torch.randn(2, D, H).to(comm.dtype).to(dev).transpose(1, 2), pl),
+        "out_last_dim_stride": lambda: comm.lse_reduce(
+            po, pl, out=torch.empty(2, D, hn, dtype=comm.dtype, device=dev).transpose(1, 2)),
         "channel": lambda: comm.lse_reduce(po, pl, channel=comm.channels),
         "not_tensor": lambda: comm.lse_reduce(po.tolist(), pl),
     }
