@@ -12,8 +12,8 @@ import torch.distributed as dist
 from triton import knobs
 from triton.runtime import driver
 
-from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, MAX_REGS, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS,
-                     TRACE_WORDS, build_kernels)
+from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS,
+                     build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
 from dcp.protocol import ChannelLayout, raise_status, status_words
@@ -83,21 +83,21 @@ class TritonTransport:
     name = "triton"
 
     def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
-                 channels: int, timeout_s: float, programs: dict, gpu_scope: bool, trace: bool, pdl: bool):
+                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool, pdl: bool):
         self.group, self.layout, self.device = group, layout, device
         self.rank = dist.get_rank(group)
         kernel = build_kernels(interpret=device.type == "cpu").fused
         early = {w: pdl and layout.launches_early(w) for w in layout.tilings}
         self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace,
                                                         PDL=early[w]),
-                                   dict(num_warps=w, launch_pdl=early[w], maxnreg=MAX_REGS)) for w in layout.tilings}
-        # By call size (0 to max_tokens): its tiling's launcher and its grid, at most ``programs``
-        # of that tiling (all of them resident at once) and never more than tiles.
+                                   dict(num_warps=w, launch_pdl=early[w])) for w in layout.tilings}
+        # By call size (0 to max_tokens): its tiling's launcher and its grid, at most
+        # ``max_programs`` (all of them resident at once) and never more than tiles.
         self.plan = []
         for n in range(layout.max_tokens + 1):
             w = layout.warps_for(n)
             tiles = -(-n * layout.heads_per_rank // layout.tilings[w])
-            self.plan.append((self.fused[w], max(1, min(tiles, programs[w], EPOCH_STRIDE))))
+            self.plan.append((self.fused[w], max(1, min(tiles, max_programs, EPOCH_STRIDE))))
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []

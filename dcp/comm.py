@@ -10,7 +10,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from kernels import MAX_PEERS, MAX_REGS
+from kernels import MAX_PEERS
 from dcp.backends import NcclTransport, TritonTransport
 from dcp.errors import DcpError
 from dcp.protocol import ChannelLayout
@@ -52,12 +52,6 @@ def _unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
         raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
 
 
-def programs_per_sm(warps: int, regs_per_sm: int, threads_per_sm: int) -> int:
-    """How many programs of the fused kernel fit on one SM at once, bounded by registers (at most
-    MAX_REGS per thread, a compile option) and threads; its shared memory is far below either."""
-    return max(1, min(regs_per_sm // (MAX_REGS * 32 * warps), threads_per_sm // (32 * warps)))
-
-
 class DcpAllToAll:
     """The packed DCP all-to-all with LSE combine on persistent buffers.
 
@@ -74,9 +68,8 @@ class DcpAllToAll:
     all-to-all, combine) or ``"auto"`` (triton where every rank reaches every peer's buffer, else
     nccl, decided by all ranks together). ``None`` reads ``DCP_A2A_BACKEND`` (default ``auto``).
 
-    ``max_programs`` caps the kernel's grid (default: as many programs as fit on the device at once,
-    shared out among the ranks on it and the channels: 2 per SM at 8 warps, 1 at 16 on an H200,
-    whose registers bound them); ``num_warps`` fixes the warps per program (default: 8 below 128 tokens per
+    ``max_programs`` (default: the device's SMs over its ranks and the channels) sizes the
+    kernel's grid; ``num_warps`` fixes the warps per program (default: 8 below 128 tokens per
     launch, 16 from there). ``pdl`` (default: on where the GPU has it, compute capability 9.0 and
     up) launches calls below 128 tokens (all calls when ``num_warps`` is set) with programmatic
     dependent launch: their programs are scheduled while the previous kernel of the stream
@@ -117,8 +110,7 @@ class DcpAllToAll:
                            f"dtype, channels, world, backend, num_warps): {[f[0] for f in facts]}")
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
         self.layout = ChannelLayout(self.world, self.heads_per_rank, head_dim, max_tokens, num_warps)
-        self.max_programs: dict = ({w: max_programs for w in self.layout.tilings} if max_programs
-                                   else self._default_programs())
+        self.max_programs = max_programs or self._default_programs()
         self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         self._ready: set = set()
         self._transport = self._select(requested, [f[2].split("/")[0] for f in facts], [f[3] for f in facts])
@@ -169,19 +161,16 @@ class DcpAllToAll:
             return f"pdl=True needs a GPU of compute capability 9.0 or newer; {self.device} is not one"
         return None
 
-    def _default_programs(self) -> dict:
-        """Programs per call, by tiling (warps): every waiting program of every rank and channel on
-        this device must be resident at once, so each gets an equal share of the SMs' room. The
-        fused kernel is compiled to at most MAX_REGS registers per thread, so registers (with
-        threads) bound how many programs of a tiling fit on one SM, for every variant."""
+    def _default_programs(self) -> int:
         if self.device.type == "cpu":
-            return {w: 4 for w in self.layout.tilings}
-        props = torch.cuda.get_device_properties(self.device)
-        per_sm = {w: programs_per_sm(w, getattr(props, "regs_per_multiprocessor", 65536),
-                                     getattr(props, "max_threads_per_multi_processor", 2048))
-                  for w in self.layout.tilings}
-        share = self.ranks_per_device * self.channels
-        return {w: max(1, props.multi_processor_count * per_sm[w] // share) for w in self.layout.tilings}
+            return 4
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # Every waiting program of every rank and channel on this device must be resident at
+        # once. A 16-warp program (calls from 128 tokens) fills an SM's registers on an H200, so:
+        # one program per SM, shared out among the ranks and the channels that may run together.
+        # (Two 8-warp programs per SM, which their registers allow, timed out at N = 6 on one H200
+        # under MPS: ranks' programs cannot be counted on to pack onto the same SMs.)
+        return max(1, sms // (self.ranks_per_device * self.channels))
 
     def _triton_obstacle(self, hosts: list) -> Optional[str]:
         """Why the triton path cannot serve this group, as every rank sees it (None: it can)."""

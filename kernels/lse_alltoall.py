@@ -46,9 +46,6 @@ STATUS_WORDS = 20
 STATUS_TIMEOUT = 1
 STATUS_MISMATCH = 2
 MAX_PEERS = 8
-# The fused kernel is compiled with at most this many registers per thread (ptxas' maxnreg), so
-# that the programs that fit on an SM at once follow from the tiling alone, for every variant.
-MAX_REGS = 128
 
 CTL_STATUS = 8  # ctl[0:N] peer channel bases, ctl[8] status address, ctl[9] timeout (ns),
 CTL_TIMEOUT = 9  # ctl[10] trace address (0 unless tracing)

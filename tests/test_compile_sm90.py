@@ -11,12 +11,10 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from dcp.comm import programs_per_sm
 from dcp.protocol import ChannelLayout
-from kernels import MAX_REGS, build_kernels
+from kernels import build_kernels
 
-def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warps: int = 8, pdl: bool = False,
-             maxnreg=None):
+def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warps: int = 8, pdl: bool = False):
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -30,21 +28,18 @@ def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warp
     attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in aligned_ptrs}
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(c),): v for c, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "launch_pdl": pdl, "maxnreg": maxnreg})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "launch_pdl": pdl}).asm["ptx"]
 
 
-def _ptxas_usage(ptx: str, tmp_path) -> tuple:
-    """(bytes spilled to local memory, registers per thread), from Triton's own ptxas for sm_90a:
-    neither shows in PTX."""
+def _spill_bytes(ptx: str, tmp_path) -> int:
+    """Bytes ptxas (Triton's own) spills to local memory for sm_90a: spills never show in PTX."""
     src = tmp_path / "kernel.ptx"
     src.write_text(ptx)
     out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True)
-    spills = re.findall(r"(\d+) bytes spill stores", out.stdout + out.stderr)
-    regs = re.findall(r"Used (\d+) registers", out.stdout + out.stderr)
-    assert spills and regs, f"no usage report from ptxas -v: {out.stderr[-500:]}"
-    return sum(int(n) for n in spills), max(int(n) for n in regs)
+    found = re.findall(r"(\d+) bytes spill stores", out.stdout + out.stderr)
+    assert found, f"no spill report from ptxas -v: {out.stderr[-500:]}"
+    return sum(int(n) for n in found)
 
 
 @pytest.mark.parametrize("lse_ty,scope,warps,pdl", [("fp32", "sys", 8, False), ("bf16", "sys", 8, True),
@@ -52,19 +47,11 @@ def _ptxas_usage(ptx: str, tmp_path) -> tuple:
 def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope, warps, pdl, tmp_path):
     lay = ChannelLayout(world=6, heads_per_rank=16, head_dim=512, max_tokens=512)
     assert set(lay.tilings) == {8, 16}
-    compiled = _compile(build_kernels(False).fused,
-                        {"po": "*bf16", "lse": f"*{lse_ty}", "y": "*bf16", "y_lse": "*fp32", "ctl": "*i64"},
-                        dict(lay.constexprs(warps), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False, PDL=pdl),
-                        aligned_ptrs=("po", "y"), num_warps=warps, pdl=pdl, maxnreg=MAX_REGS)
-    ptx = compiled.asm["ptx"]
-    spills, regs = _ptxas_usage(ptx, tmp_path)
-    assert spills == 0, "register spills"
-    # The default grid's residency rule: on an H200 (64 Ki registers, 2048 threads, 228 KiB of
-    # shared memory per SM) 2 programs of 8 warps fit on an SM, 1 of 16, registers and shared memory alike.
-    assert f".maxnreg {MAX_REGS}" in ptx and regs <= MAX_REGS
-    per_sm = programs_per_sm(warps, 65536, 2048)
-    assert per_sm == {8: 2, 16: 1}[warps]
-    assert per_sm * warps * 32 * regs <= 65536 and per_sm * compiled.metadata.shared <= 228 * 1024
+    ptx = _compile(build_kernels(False).fused,
+                   {"po": "*bf16", "lse": f"*{lse_ty}", "y": "*bf16", "y_lse": "*fp32", "ctl": "*i64"},
+                   dict(lay.constexprs(warps), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False, PDL=pdl),
+                   aligned_ptrs=("po", "y"), num_warps=warps, pdl=pdl)
+    assert _spill_bytes(ptx, tmp_path) == 0, "register spills"
     other = {"sys": "gpu", "gpu": "sys"}[scope]
     assert f"fence.acq_rel.{scope}" in ptx and f"fence.acq_rel.{other}" not in ptx
     assert f"st.relaxed.{scope}.global.b64" in ptx and f"ld.relaxed.{scope}.global.b64" in ptx  # flag: B << 32 | epoch
@@ -87,7 +74,7 @@ def test_nccl_path_kernels_compile():
     lay = ChannelLayout(world=3, heads_per_rank=16, head_dim=128, max_tokens=64)
     common = dict(lay.tile_constexprs(lay.warps_for(1)), ALIGNED=True)
     k = build_kernels(False)
-    ptx = _compile(k.pack, {"po": "*bf16", "lse": "*fp32", "send": "*i32"}, common, ("po", "send")).asm["ptx"]
+    ptx = _compile(k.pack, {"po": "*bf16", "lse": "*fp32", "send": "*i32"}, common, ("po", "send"))
     assert re.search(r"st\.global\.v4", ptx)
-    ptx = _compile(k.combine, {"recv": "*i32", "y": "*bf16", "y_lse": "*fp32"}, common, ("recv", "y")).asm["ptx"]
+    ptx = _compile(k.combine, {"recv": "*i32", "y": "*bf16", "y_lse": "*fp32"}, common, ("recv", "y"))
     assert re.search(r"ld\.global\.v4", ptx)
