@@ -8,8 +8,10 @@ busbw = algbw * (N - 1) / N.
 Times are device times per call (events around each step), the slowest rank's median, with the
 calls queued back to back behind a sleeping kernel (``bench.ranks``): ``held`` says the queue
 lasted the whole loop. ``loop`` is nccl-tests' time: the mean per call of a second loop with events
-only at its two ends. ``host`` is the host time per call, measured apart; in eager mode a program
-that launches slower than that device time runs at the host's pace.
+only at its two ends. ``host`` is the host time per call (the slowest rank's median over the timed
+steps, timed apart from their events); ``hloop`` the same from the second loop (its host time over
+its calls: nothing recorded between calls). In eager mode a program that launches slower than its
+device time runs at the host's pace.
 """
 
 import argparse
@@ -188,7 +190,8 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
                 algbw_GBps=size / worst["median_us"] / 1e3,
                 busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n,
                 floor_us=floor_us, floor_frac=floor_us / worst["median_us"],
-                host_us=max(r["host_us"] for r in res), max_rel_err=max(r["max_rel_err"] for r in res),
+                host_us=max(r["host_us"] for r in res), host_loop_us=max(r["host_loop_us"] for r in res),
+                max_rel_err=max(r["max_rel_err"] for r in res),
                 nccl_us=float("nan"), speedup=float("nan"))
 
 
@@ -203,13 +206,13 @@ def _fill_speedups(rows: list) -> None:
 
 def format_table(rows: list) -> str:
     head = (f"{'N':>2} {'backend':>7} {'D':>4} {'B':>4} {'mode':>6} {'size(B)':>9} {'med(us)':>8} {'p10':>7} {'p90':>7} {'loop':>7} "
-            f"{'algbw':>7} {'busbw':>7} {'floor':>7} {'%floor':>6} {'host':>6} {'nccl':>6} {'x':>5} {'held':>4}")
+            f"{'algbw':>7} {'busbw':>7} {'floor':>7} {'%floor':>6} {'host':>6} {'hloop':>6} {'nccl':>6} {'x':>5} {'held':>4}")
     out = [head]
     for r in rows:
         out.append(f"{r['world']:>2} {r['backend']:>7} {r['head_dim']:>4} {r['B']:>4} {r['mode']:>6} {r['size_bytes']:>9} "
                    f"{r['median_us']:>8.1f} {r['p10_us']:>7.1f} {r['p90_us']:>7.1f} {r['loop_us']:>7.1f} {r['algbw_GBps']:>7.2f} "
                    f"{r['busbw_GBps']:>7.2f} {r['floor_us']:>7.1f} {100 * r['floor_frac']:>5.0f}% "
-                   f"{r['host_us']:>6.1f} {r['nccl_us']:>6.1f} {r['speedup']:>5.2f} {'-' if r['held'] is None else 'yes' if r['held'] else 'NO':>4}")
+                   f"{r['host_us']:>6.1f} {r['host_loop_us']:>6.1f} {r['nccl_us']:>6.1f} {r['speedup']:>5.2f} {'-' if r['held'] is None else 'yes' if r['held'] else 'NO':>4}")
     return "\n".join(out)
 
 

@@ -5,7 +5,8 @@ all of them (nvbench's blocking kernel), so that device events time the calls ba
 than the Python loop that launches them; host time per call is measured separately. A point whose
 queue ran dry before the host finished (the first timed call had already started) is reported as
 not held. Two loops: events around every step (median, p10, p90), then, as nccl-tests does, one
-pair of events around all steps (``loop_us``, the mean per call with nothing between the steps).
+pair of events around all steps (``loop_us``, the mean per call with nothing between the steps);
+its host time per call (``host_loop_us``) is the launch rate with no event recorded between calls.
 """
 
 import statistics
@@ -89,7 +90,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     # Every rank holds its queue equally long (the slowest host's estimate), so the ranks start
     # their timed calls together.
     warm_us = max(gather(warm_us))
-    times, host, held, loop = [], [], True, float("nan")
+    times, host, held, loop, host_loop = [], [], True, float("nan"), float("nan")
     if cuda:
         # Per-step events: hold the queue three times the loop's expected host time (two event
         # records per step); where the GPU clock ran slower than when calibrated, hold longer, redo.
@@ -112,8 +113,10 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         _hold(state, 3 * iters * warm_us * 4 ** attempt)
         a.record()
+        t0 = time.perf_counter()
         for _ in range(iters):
             step()
+        host_loop = (time.perf_counter() - t0) * 1e6 / iters
         b.record()
         held = all(gather(not a.query())) and held
         b.synchronize()
@@ -128,6 +131,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     comm.check()
     res = _percentiles(times)
     res["host_us"] = statistics.median(host) / calls
+    res["host_loop_us"] = host_loop / calls
     res["held"], res["loop_us"] = held, loop
     res["max_rel_err"] = err
     return res
