@@ -32,7 +32,8 @@ def _shape(t: torch.Tensor) -> str:
 def _expect(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
     """Accept ``t`` or raise naming what was expected and what came (messages built only then).
 
-    The last dimension's stride is checked where strides are read (``DcpAllToAll._operands``)."""
+    The last dimension's stride is checked where strides are read (``DcpAllToAll._operands``),
+    which calls with B = 0 skip: they read nothing."""
     if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device:
         return
     want = "[" + ", ".join(str(s) for s in shape) + "]"
