@@ -5,12 +5,14 @@ the CPU tier (Triton's interpreter) with none. Columns follow nccl-tests' all-to
 size is the bytes one rank sends (the packed [N, B, H/N, D+2] buffer), algbw = size / time and
 busbw = algbw * (N - 1) / N.
 
-Times are device times per call (events around each step), the slowest rank's median, with the
-calls queued back to back behind a sleeping kernel (``bench.ranks``): ``held`` says the queue
-lasted the whole loop. ``loop`` is nccl-tests' time: the mean per call of a second loop with events
-only at its two ends. ``host`` is the host time per call (the slowest rank's median over the timed
-steps, timed apart from their events); ``hloop`` the same from the second loop (its host time over
-its calls: nothing recorded between calls). In eager mode a program that launches slower than its
+Times are device times per call (from one mark between steps to the next: a kernel storing the GPU
+clock, or ``--timer events``), the slowest rank's median, with the calls queued back to back behind
+a sleeping kernel (``bench.ranks``): ``held`` says the queue lasted the whole loop. A step's time
+includes one mark; ``mark`` is a mark's own time (marks with nothing between them). ``loop`` is
+nccl-tests' time: the mean per call of a second loop with events only at its two ends. ``host`` is
+the host time per call (the slowest rank's median over the timed steps, timed apart from their
+marks); ``hloop`` the same from the second loop (its host time over its calls: nothing queued
+between calls). In eager mode a program that launches slower than its
 device time runs at the host's pace.
 """
 
@@ -126,6 +128,8 @@ def main(argv=None) -> None:
     p.add_argument("--num-warps", type=int, default=None, help="fixed warps per program (default: by call size)")
     p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
                    help="programmatic dependent launch of the triton kernel (auto: where the GPU has it)")
+    p.add_argument("--timer", choices=["clock", "events"], default="clock",
+                   help="mark between timed steps: a kernel storing the GPU clock, or a CUDA event")
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
     p.add_argument("--out", default="results", help="folder for results.csv and results.json")
     args = p.parse_args(argv)
@@ -148,7 +152,8 @@ def main(argv=None) -> None:
                         continue  # NCCL refuses two ranks on one GPU
                     for d in args.head_dim:
                         pdl = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
-                                    args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl])[0]
+                                    args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
+                                    args.timer)[0]
                         lay = ChannelLayout(n, args.heads_per_rank, d, max(args.batch), args.num_warps)
                         for B in args.batch:
                             for mode in args.modes:
@@ -156,7 +161,7 @@ def main(argv=None) -> None:
                                 warps = lay.warps_for(B if backend == "triton" else 1)
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
                                                  backend, rate, shared, cuda, warps,
-                                                 pdl and lay.launches_early(warps)))
+                                                 pdl and lay.launches_early(warps), args.timer if cuda else "host"))
                                 print(f"\r[{len(rows)}] N={n} {backend} D={d} B={B} {mode}: "
                                       f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
             finally:
@@ -179,13 +184,14 @@ def main(argv=None) -> None:
     print(format_table(rows))
 
 
-def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl) -> dict:
+def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, timer) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
     size = n * B * hn * (d + 2) * 2
     floor_us = floor_bytes(n, B, hn, d, shared) / rate * 1e6 if cuda else float("nan")
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d,
                 heads_per_rank=hn, B=B, mode=mode, backend=backend, num_warps=num_warps, pdl=pdl,
-                size_bytes=size, **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
+                timer=timer, mark_us=max(r["mark_us"] for r in res), size_bytes=size,
+                **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
                 loop_us=max(r["loop_us"] for r in res), held=all(r["held"] for r in res) if cuda else None,
                 algbw_GBps=size / worst["median_us"] / 1e3,
                 busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n,
@@ -205,12 +211,12 @@ def _fill_speedups(rows: list) -> None:
 
 
 def format_table(rows: list) -> str:
-    head = (f"{'N':>2} {'backend':>7} {'D':>4} {'B':>4} {'mode':>6} {'size(B)':>9} {'med(us)':>8} {'p10':>7} {'p90':>7} {'loop':>7} "
+    head = (f"{'N':>2} {'backend':>7} {'D':>4} {'B':>4} {'mode':>6} {'size(B)':>9} {'med(us)':>8} {'p10':>7} {'p90':>7} {'mark':>5} {'loop':>7} "
             f"{'algbw':>7} {'busbw':>7} {'floor':>7} {'%floor':>6} {'host':>6} {'hloop':>6} {'nccl':>6} {'x':>5} {'held':>4}")
     out = [head]
     for r in rows:
         out.append(f"{r['world']:>2} {r['backend']:>7} {r['head_dim']:>4} {r['B']:>4} {r['mode']:>6} {r['size_bytes']:>9} "
-                   f"{r['median_us']:>8.1f} {r['p10_us']:>7.1f} {r['p90_us']:>7.1f} {r['loop_us']:>7.1f} {r['algbw_GBps']:>7.2f} "
+                   f"{r['median_us']:>8.1f} {r['p10_us']:>7.1f} {r['p90_us']:>7.1f} {r['mark_us']:>5.1f} {r['loop_us']:>7.1f} {r['algbw_GBps']:>7.2f} "
                    f"{r['busbw_GBps']:>7.2f} {r['floor_us']:>7.1f} {100 * r['floor_frac']:>5.0f}% "
                    f"{r['host_us']:>6.1f} {r['host_loop_us']:>6.1f} {r['nccl_us']:>6.1f} {r['speedup']:>5.2f} {'-' if r['held'] is None else 'yes' if r['held'] else 'NO':>4}")
     return "\n".join(out)

@@ -3,7 +3,9 @@
     python -m bench.host_time [--world-size 3] [--batch 8] [--head-dim 512] [--iters 2000]
 
 Every rank runs the same sequence (steps that launch the kernel do so on all ranks, so every
-launch completes); the table gives the median per rank and step, and a profile of rank 0.
+launch completes); the table gives the median per rank and step, and a profile of rank 0. The held
+step launches behind a sleeping kernel, as the benchmark's timed loops do; the others launch into a
+queue that the GPU keeps up with.
 """
 
 import argparse
@@ -19,6 +21,9 @@ import torch.distributed as dist
 from dcp import DcpAllToAll
 from dcp.reference import make_inputs
 from dcp.spawn import World
+from bench.ranks import calibrate, hold
+
+HOLD_US_PER_CALL = 50  # the held step's sleeping kernel: more than a call takes to launch
 
 
 def _median_us(step, iters: int) -> float:
@@ -42,6 +47,7 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     one = torch.zeros(1, device=comm.device)
     steps = {
         "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
+        "lse_reduce (out=, queue held)": lambda: comm.lse_reduce(po, pl, out=y),
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
         "  _validate": lambda: comm._validate(po, pl, y, None, 0),
         "  _operands": lambda: comm._operands(po, pl, y, scratch),
@@ -49,14 +55,24 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
         "for scale: a 1-element torch add_": lambda: one.add_(1),
         "empty step (timer only)": lambda: None,
     }
-    res = {}
+    cuda = comm.device.type == "cuda"
+    if cuda:
+        calibrate(state)
+    res, held = {}, True
     for name, step in steps.items():
         step()
-        if comm.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         dist.barrier()
+        if "queue held" in name and cuda:
+            # As in the benchmark: the calls are queued behind a sleeping kernel, not run as launched.
+            hold(state, iters * HOLD_US_PER_CALL)
+            first = torch.cuda.Event()
+            first.record()
         res[name] = _median_us(step, iters)
-        if comm.device.type == "cuda":
+        if "queue held" in name and cuda:
+            held = not first.query()
+        if cuda:
             torch.cuda.synchronize()
     prof = cProfile.Profile()
     dist.barrier()
@@ -71,6 +87,7 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
     res["profile"] = text.getvalue() if rank == 0 else ""
+    res["held"] = held
     return res
 
 
@@ -92,8 +109,10 @@ def main(argv=None) -> None:
           f"D={args.head_dim}, {device})")
     print(f"{'step':<36}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(res))))
     for name in res[0]:
-        if name != "profile":
+        if name not in ("profile", "held"):
             print(f"{name:<36}" + "".join(f"{r[name]:>10.1f}" for r in res))
+    if not all(r["held"] for r in res):
+        print("the held step's queue ran dry before its calls were all launched: raise HOLD_US_PER_CALL")
     print(res[0]["profile"])
 
 

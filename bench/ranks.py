@@ -1,12 +1,18 @@
 """What every rank runs during a benchmark: check one point against the reference, then time it.
 
 On a GPU the timed calls are queued behind a sleeping kernel long enough for the host to enqueue
-all of them (nvbench's blocking kernel), so that device events time the calls back to back rather
-than the Python loop that launches them; host time per call is measured separately. A point whose
-queue ran dry before the host finished (the first timed call had already started) is reported as
-not held. Two loops: events around every step (median, p10, p90), then, as nccl-tests does, one
-pair of events around all steps (``loop_us``, the mean per call with nothing between the steps);
-its host time per call (``host_loop_us``) is the launch rate with no event recorded between calls.
+all of them (nvbench's blocking kernel), so that device times are of the calls back to back rather
+than of the Python loop that launches them; host time per call is measured separately. A point
+whose queue ran dry before the host finished (the first timed call had already started) is
+reported as not held. Two loops: a mark between consecutive steps (median, p10, p90 of the time
+from one mark to the next), then, as nccl-tests does, one pair of events around all steps
+(``loop_us``, the mean per call with nothing between the steps); its host time per call
+(``host_loop_us``) is the launch rate with nothing queued between calls.
+
+A mark is a one-thread kernel that stores the GPU's clock (``timer="clock"``, the default) or a
+CUDA event (``"events"``). Under MPS on one H200, two events around each step added 13-30 us per
+step (``docs/NOTES.md``, "Per-step events"), more than a small call takes. A step's time includes
+one mark, whose own cost (marks back to back with nothing between) is reported as ``mark_us``.
 """
 
 import statistics
@@ -17,6 +23,9 @@ import torch.distributed as dist
 
 from dcp import DcpAllToAll
 from dcp.reference import chunk_reference, make_inputs, max_rel_error
+from kernels import build_kernels
+
+MARK_PROBES = 100  # marks timed back to back in setup: what one costs
 
 
 def _percentiles(xs: list) -> dict:
@@ -26,7 +35,7 @@ def _percentiles(xs: list) -> dict:
 
 
 def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: str, backend: str,
-          num_warps=None, pdl=None) -> bool:
+          num_warps=None, pdl=None, timer: str = "clock") -> bool:
     """Build this rank's communicator; returns whether its calls use programmatic dependent launch."""
     if "comm" in state:
         state.pop("comm").close()
@@ -34,16 +43,44 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
     state["comm"] = comm = DcpAllToAll(dist.group.WORLD, max_tokens=max_tokens, num_heads=heads_per_rank * n,
                                        head_dim=head_dim, dtype=torch.bfloat16, device=device, backend=backend,
                                        num_warps=num_warps, pdl=pdl)
-    if comm.device.type == "cuda" and "cycles_per_us" not in state:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(10 ** 7)
-        b.record()
-        b.synchronize()
-        # One rate for all ranks (the fastest clock seen), so that equal holds last equally long:
-        # a rank that calibrated while the GPU idled at a low clock would otherwise start late.
-        state["cycles_per_us"] = max(gather(10 ** 7 / (a.elapsed_time(b) * 1e3)))
+    if comm.device.type == "cuda":
+        calibrate(state)
+        state["timer"] = timer
+        # What a mark costs with nothing between two of them (each timed step includes one).
+        mark, intervals = marks(timer, MARK_PROBES)
+        mark(0)  # compiles the clock kernel outside the hold
+        torch.cuda.synchronize()
+        hold(state, MARK_PROBES * 100)
+        for i in range(MARK_PROBES + 1):
+            mark(i)
+        torch.cuda.synchronize()
+        state["mark_us"] = max(gather(statistics.median(intervals())))
     return comm.pdl and comm.backend == "triton"
+
+
+def calibrate(state) -> None:
+    """Sleep cycles per microsecond, for ``hold``."""
+    if "cycles_per_us" in state:
+        return
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10 ** 7)
+    b.record()
+    b.synchronize()
+    # One rate for all ranks (the fastest clock seen), so that equal holds last equally long:
+    # a rank that calibrated while the GPU idled at a low clock would otherwise start late.
+    state["cycles_per_us"] = max(gather(10 ** 7 / (a.elapsed_time(b) * 1e3)))
+
+
+def marks(timer: str, steps: int):
+    """Marks between timed steps: ``mark(i)`` queues mark i of ``steps + 1``; ``intervals()``
+    gives the device microseconds between consecutive marks once they have run."""
+    if timer == "clock":
+        stamps = torch.zeros(steps + 1, dtype=torch.int64, device="cuda")
+        clock = build_kernels(interpret=False).clock
+        return (lambda i: clock[(1,)](stamps, i)), (lambda: (stamps.diff().double() / 1e3).tolist())
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    return (lambda i: ev[i].record()), (lambda: [a.elapsed_time(b) * 1e3 for a, b in zip(ev, ev[1:])])
 
 
 def gather(value) -> list:
@@ -53,7 +90,7 @@ def gather(value) -> list:
     return seen
 
 
-def _hold(state, us: float) -> None:
+def hold(state, us: float) -> None:
     """Queue a sleeping kernel of about ``us`` microseconds (at least 1 ms) after a barrier."""
     dist.barrier()
     torch.cuda._sleep(int(state["cycles_per_us"] * (us + 1000)))
@@ -81,10 +118,15 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
         step = graph.replay
     else:
         step = lambda: comm.lse_reduce(po, pl, out=y)
+    if cuda:
+        mark, intervals = marks(state["timer"], iters)
+    else:
+        mark = lambda i: None
     t0 = time.perf_counter()
-    for _ in range(min(10, iters)):
+    for i in range(min(10, iters)):
+        mark(i)
         step()
-    warm_us = (time.perf_counter() - t0) * 1e6 / min(10, iters)  # host time per step
+    warm_us = (time.perf_counter() - t0) * 1e6 / min(10, iters)  # host time per marked step
     if cuda:
         torch.cuda.synchronize()
     # Every rank holds its queue equally long (the slowest host's estimate), so the ranks start
@@ -92,26 +134,26 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     warm_us = max(gather(warm_us))
     times, host, held, loop, host_loop = [], [], True, float("nan"), float("nan")
     if cuda:
-        # Per-step events: hold the queue three times the loop's expected host time (two event
-        # records per step); where the GPU clock ran slower than when calibrated, hold longer, redo.
+        # A mark between steps: hold the queue three times the loop's expected host time; where
+        # the GPU clock ran slower than when calibrated, hold longer, redo.
         for attempt in range(3):
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-            host = []
-            _hold(state, 3 * iters * (warm_us + 10) * 4 ** attempt)
-            for a, b in ev:
-                a.record()
+            host, first = [], torch.cuda.Event()
+            hold(state, 3 * iters * warm_us * 4 ** attempt)
+            first.record()
+            for i in range(iters):
+                mark(i)
                 t0 = time.perf_counter()
                 step()
                 host.append((time.perf_counter() - t0) * 1e6)
-                b.record()
-            held = not ev[0][0].query()
+            mark(iters)
+            held = not first.query()
             torch.cuda.synchronize()
             if all(gather(held)):
                 break
-        times = [a.elapsed_time(b) * 1e3 / calls for a, b in ev]
+        times = [t / calls for t in intervals()]
         # nccl-tests' way: one pair of events around the whole (held) loop, none between steps.
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _hold(state, 3 * iters * warm_us * 4 ** attempt)
+        hold(state, 3 * iters * warm_us * 4 ** attempt)
         a.record()
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -133,6 +175,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     res["host_us"] = statistics.median(host) / calls
     res["host_loop_us"] = host_loop / calls
     res["held"], res["loop_us"] = held, loop
+    res["mark_us"] = state.get("mark_us", float("nan"))
     res["max_rel_err"] = err
     return res
 

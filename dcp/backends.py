@@ -96,8 +96,7 @@ class TritonTransport:
         self.plan = []
         for n in range(layout.max_tokens + 1):
             w = layout.warps_for(n)
-            tiles = -(-n * layout.heads_per_rank // layout.tilings[w])
-            self.plan.append((self.fused[w], max(1, min(tiles, max_programs, EPOCH_STRIDE))))
+            self.plan.append((self.fused[w], max(1, min(layout.tiles(n, w), max_programs, EPOCH_STRIDE))))
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []
@@ -186,8 +185,7 @@ class NcclTransport:
                  channels: int):
         self.group, self.layout, self.device = group, layout, device
         kernels = build_kernels(interpret=device.type == "cpu")
-        warps = layout.warps_for(1)  # one tiling: these kernels never wait, so size matters less
-        self.block_rows = layout.tilings[warps]
+        self.warps = warps = layout.warps_for(1)  # one tiling: these kernels never wait, so size matters less
         self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
@@ -198,7 +196,7 @@ class NcclTransport:
 
     def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
         lay = self.layout
-        grid = max(1, -(-n_tokens * lay.heads_per_rank // self.block_rows))
+        grid = max(1, lay.tiles(n_tokens, self.warps))
         used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
         send, recv = self.send[channel][:used], self.recv[channel][:used]
         self.pack(variant, grid, (po, lse, send), n_tokens, *strides[:4])

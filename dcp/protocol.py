@@ -78,6 +78,10 @@ class ChannelLayout:
         return {w: max(1, min(64, 2048 * w // (self.padded_peers * self.padded_dim), _next_pow2(self.rows_max)))
                 for w in sizes}
 
+    def tiles(self, n_tokens: int, warps: int) -> int:
+        """Tiles of a call of ``n_tokens`` under the tiling of ``warps``."""
+        return -(-n_tokens * self.heads_per_rank // self.tilings[warps])
+
     @cached_property
     def block_rows(self) -> int:  # the smallest tiles, which size the flags
         return min(self.tilings.values())

@@ -17,6 +17,8 @@ Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp
 NCCL path (``pack_kernel``, ``all_to_all_single``, ``combine_kernel``): the same packed rows in a
 ``[N, B, H/N, ROW]`` send buffer, and the same combine over the received one.
 
+``clock_kernel``: one timestamp, for the benchmark's per-step times.
+
 The same Python source is built twice: compiled for CUDA, where publishing and polling are relaxed
 stores and loads ordered by ``fence.acq_rel`` (at GPU scope when every rank runs on one GPU, else at
 system scope: ``GPU_SCOPE``) and time comes from ``%globaltimer``;
@@ -340,6 +342,12 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
                   N, BLOCK_R, DP, ROW, D)
 
 
+def clock_kernel(out, i):
+    """Stores the device clock (ns) in out[i]. The benchmark queues one between timed steps: under
+    MPS a CUDA event recorded there costs more device time than a small call."""
+    tl.store(out + i, _now(i))
+
+
 # --- helpers that differ by execution mode -------------------------------------------------------
 
 def _load_relaxed_gpu(ptr, GPU_SCOPE: tl.constexpr):
@@ -437,6 +445,7 @@ def build_kernels(interpret: bool) -> types.SimpleNamespace:
                   do_not_specialize_on_alignment=["lse"]),
         combine=wrap(rebind(combine_kernel, "combine_kernel"), do_not_specialize=_INT_ARGS,
                      do_not_specialize_on_alignment=["y_lse"]),
+        clock=wrap(rebind(clock_kernel, "clock_kernel"), do_not_specialize=["i"]),
     )
     _built[interpret] = kernels
     return kernels

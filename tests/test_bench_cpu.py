@@ -32,3 +32,22 @@ def test_plots_drawn_from_the_data(tmp_path):
     written = plot(str(data), str(tmp_path))
     assert sorted(p.rsplit("/", 1)[-1] for p in written) == ["latency.png", "speedup.png"]
     assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
+
+
+def test_clock_kernel_stores_increasing_times():
+    """The benchmark's mark, interpreted: each launch stores a later clock reading at its index."""
+    import time
+
+    import torch
+
+    from kernels import build_kernels
+
+    clock = build_kernels(interpret=True).clock
+    stamps = torch.full((5,), -1, dtype=torch.int64)
+    before = time.monotonic_ns()
+    for i in (0, 1, 2, 4):
+        clock[(1,)](stamps, i)
+    after = time.monotonic_ns()
+    assert stamps[3] == -1  # never marked, untouched
+    taken = stamps[[0, 1, 2, 4]]
+    assert (taken.diff() > 0).all() and before <= taken[0] and taken[-1] <= after
