@@ -131,7 +131,6 @@ def main(argv=None) -> None:
     p.add_argument("--timer", choices=["clock", "events"], default="clock",
                    help="mark between timed steps: a kernel storing the GPU clock, or a CUDA event")
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
-    p.add_argument("--pin-ranks", action="store_true", help="keep each rank on a physical core of its own")
     p.add_argument("--out", default="results", help="folder for results.csv and results.json")
     args = p.parse_args(argv)
 
@@ -148,8 +147,6 @@ def main(argv=None) -> None:
             shared = gpus < n
             w = World(n, device, pg_backend="gloo" if shared or not cuda else "nccl")
             try:
-                if args.pin_ranks:
-                    info.setdefault("rank_cpus", {})[n] = w.run(ranks.pin, ranks.rank_cpus())
                 for backend in args.backends:
                     if backend == "nccl" and cuda and shared:
                         continue  # NCCL refuses two ranks on one GPU

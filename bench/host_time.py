@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dcp import DcpAllToAll
 from dcp.reference import make_inputs
 from dcp.spawn import World
-from bench.ranks import calibrate, hold, pin, rank_cpus
+from bench.ranks import calibrate, hold
 
 HOLD_US_PER_CALL = 50  # the held step's sleeping kernel: more than a call takes to launch
 
@@ -97,14 +97,11 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=512)
     p.add_argument("--iters", type=int, default=2000)
-    p.add_argument("--pin-ranks", action="store_true", help="keep each rank on a physical core of its own")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     iters = args.iters if device == "cuda" else min(args.iters, 20)
     w = World(args.world_size, device)
     try:
-        if args.pin_ranks:
-            print("ranks on CPUs", w.run(pin, rank_cpus()))
         res = w.run(probe, args.batch, args.head_dim, iters, device, timeout=600)
     finally:
         w.close()

@@ -15,7 +15,6 @@ step (``docs/NOTES.md``, "Per-step events"), more than a small call takes. A ste
 one mark, whose own cost (marks back to back with nothing between) is reported as ``mark_us``.
 """
 
-import os
 import statistics
 import time
 
@@ -82,28 +81,6 @@ def marks(timer: str, steps: int):
         return (lambda i: clock[(1,)](stamps, i)), (lambda: (stamps.diff().double() / 1e3).tolist())
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     return (lambda i: ev[i].record()), (lambda: [a.elapsed_time(b) * 1e3 for a, b in zip(ev, ev[1:])])
-
-
-def rank_cpus() -> list:
-    """One logical CPU per physical core (lowest sibling), the core of CPU 0 last: a core for each
-    rank, apart from where the parent and interrupts tend to run."""
-    firsts = set()
-    for cpu in sorted(os.sched_getaffinity(0)):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-                text = f.read().strip()
-        except OSError:
-            text = str(cpu)
-        siblings = [int(x) for part in text.split(",") for x in part.split("-")]
-        firsts.add(min(siblings))
-    return sorted(firsts, key=lambda c: (c == 0, c))
-
-
-def pin(state, cpus: list) -> int:
-    """Keep this rank on one CPU of the list (by rank): returns it."""
-    cpu = cpus[dist.get_rank() % len(cpus)]
-    os.sched_setaffinity(0, {cpu})
-    return cpu
 
 
 def gather(value) -> list:
