@@ -12,8 +12,8 @@ includes one mark; ``mark`` is a mark's own time (marks with nothing between the
 nccl-tests' time: the mean per call of a second loop with events only at its two ends. ``host`` is
 the host time per call (the slowest rank's median over the timed steps, timed apart from their
 marks); ``hloop`` the same from the second loop (its host time over its calls: nothing queued
-between calls). In eager mode a program that launches slower than its
-device time runs at the host's pace.
+between calls). In eager mode a program that launches slower than its device time runs at the
+host's pace.
 """
 
 import argparse
