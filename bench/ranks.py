@@ -50,11 +50,8 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         mark, intervals = marks(timer, MARK_PROBES)
         mark(0)  # compiles the clock kernel outside the hold
         torch.cuda.synchronize()
-        hold(state, MARK_PROBES * 100)
-        for i in range(MARK_PROBES + 1):
-            mark(i)
-        torch.cuda.synchronize()
-        state["mark_us"] = max(gather(statistics.median(intervals())))
+        held, _ = held_run(state, MARK_PROBES * 100, lambda: [mark(i) for i in range(MARK_PROBES + 1)])
+        state["mark_us"] = max(gather(statistics.median(intervals()))) if held else float("nan")
     return comm.pdl and comm.backend == "triton"
 
 
@@ -70,6 +67,22 @@ def calibrate(state) -> None:
     # One rate for all ranks (the fastest clock seen), so that equal holds last equally long:
     # a rank that calibrated while the GPU idled at a low clock would otherwise start late.
     state["cycles_per_us"] = max(gather(10 ** 7 / (a.elapsed_time(b) * 1e3)))
+
+
+def held_run(state, hold_us: float, enqueue, tries: int = 3) -> tuple:
+    """Queue ``enqueue()``'s work behind a sleeping kernel of ``hold_us``; while some rank's queue
+    ran dry (its first queued work had started before its host finished), redo it with a 4x longer
+    hold, ``tries`` times in all. Returns whether every rank's queue held, and the last attempt."""
+    for attempt in range(tries):
+        first = torch.cuda.Event()
+        hold(state, hold_us * 4 ** attempt)
+        first.record()
+        enqueue()
+        held = not first.query()
+        torch.cuda.synchronize()
+        if all(gather(held)):
+            return True, attempt
+    return False, attempt
 
 
 def marks(timer: str, steps: int):
@@ -134,34 +147,33 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     warm_us = max(gather(warm_us))
     times, host, held, loop, host_loop = [], [], True, float("nan"), float("nan")
     if cuda:
-        # A mark between steps: hold the queue three times the loop's expected host time; where
-        # the GPU clock ran slower than when calibrated, hold longer, redo.
-        for attempt in range(3):
-            host, first = [], torch.cuda.Event()
-            hold(state, 3 * iters * warm_us * 4 ** attempt)
-            first.record()
+        # Held three times the loop's expected host time, longer where that ran dry; the second
+        # loop as long as the first's last hold.
+        def marked() -> None:
+            host.clear()
             for i in range(iters):
                 mark(i)
                 t0 = time.perf_counter()
                 step()
                 host.append((time.perf_counter() - t0) * 1e6)
             mark(iters)
-            held = not first.query()
-            torch.cuda.synchronize()
-            if all(gather(held)):
-                break
+
+        held, attempt = held_run(state, 3 * iters * warm_us, marked)
         times = [t / calls for t in intervals()]
-        # nccl-tests' way: one pair of events around the whole (held) loop, none between steps.
+        # nccl-tests' way: one pair of events around the whole loop, none between steps.
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        hold(state, 3 * iters * warm_us * 4 ** attempt)
-        a.record()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        host_loop = (time.perf_counter() - t0) * 1e6 / iters
-        b.record()
-        held = all(gather(not a.query())) and held
-        b.synchronize()
+        host_loop_s = []
+
+        def plain() -> None:
+            a.record()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            host_loop_s[:] = [time.perf_counter() - t0]
+            b.record()
+
+        held = held_run(state, 3 * iters * warm_us * 4 ** attempt, plain, tries=1)[0] and held
+        host_loop = host_loop_s[0] * 1e6 / iters
         loop = a.elapsed_time(b) * 1e3 / (iters * calls)
     else:
         for _ in range(iters):
