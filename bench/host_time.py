@@ -112,7 +112,8 @@ def main(argv=None) -> None:
         if name not in ("profile", "held"):
             print(f"{name:<36}" + "".join(f"{r[name]:>10.1f}" for r in res))
     if not all(r["held"] for r in res):
-        print("the held step's queue ran dry before its calls were all launched: raise HOLD_US_PER_CALL")
+        print("the held step's queue ran dry before its calls were all launched (the hold was too short, "
+              "or launches blocked on a full queue): its median mixes held and unheld calls")
     print(res[0]["profile"])
 
 
