@@ -122,6 +122,7 @@ def main(argv=None) -> None:
                    default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if cuda else [1, 4, 16])
     p.add_argument("--heads-per-rank", type=int, default=16 if cuda else 2)
     p.add_argument("--head-dim", type=int, nargs="+", default=[512, 128] if cuda else [64])
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="partial outputs' dtype")
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"])
     p.add_argument("--modes", nargs="+", default=["eager", "graph", "graph8"] if cuda else ["eager"])
     p.add_argument("--iters", type=int, default=200 if cuda else 5)
@@ -138,22 +139,26 @@ def main(argv=None) -> None:
     rate = copy_rate() if cuda else float("nan")
     info = provenance(argv)
     info["copy_rate_Bps"] = rate
-    rows = []
+    rows, skipped_nccl = [], False
     device = "cuda" if cuda else "cpu"
     seed = int.from_bytes(os.urandom(4), "little")
     mps_on = cuda and (args.mps or bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")))
+    runs_nccl = lambda n: not (cuda and gpus < n)  # NCCL refuses two ranks on one GPU
+    total = sum(len([b for b in args.backends if b == "triton" or runs_nccl(n)]) for n in args.world_size) \
+        * len(args.head_dim) * len(args.batch) * len(args.modes)
     with mps_daemon(args.mps and cuda):
         for n in args.world_size:
             shared = gpus < n
             w = World(n, device, pg_backend="gloo" if shared or not cuda else "nccl")
             try:
                 for backend in args.backends:
-                    if backend == "nccl" and cuda and shared:
-                        continue  # NCCL refuses two ranks on one GPU
+                    if backend == "nccl" and not runs_nccl(n):
+                        skipped_nccl = True
+                        continue
                     for d in args.head_dim:
                         pdl = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
                                     args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
-                                    args.timer)[0]
+                                    args.timer, args.dtype)[0]
                         lay = ChannelLayout(n, args.heads_per_rank, d, max(args.batch), args.num_warps)
                         for B in args.batch:
                             for mode in args.modes:
@@ -161,35 +166,57 @@ def main(argv=None) -> None:
                                 warps = lay.warps_for(B if backend == "triton" else 1)
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
                                                  backend, rate, shared, cuda, warps,
-                                                 pdl and lay.launches_early(warps), args.timer if cuda else "host"))
-                                print(f"\r[{len(rows)}] N={n} {backend} D={d} B={B} {mode}: "
-                                      f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
+                                                 pdl and lay.launches_early(warps), args.timer if cuda else "host",
+                                                 args.dtype))
+                                done = len(rows) * 30 // total
+                                print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} N={n} {backend} "
+                                      f"D={d} B={B} {mode}: {rows[-1]['median_us']:.1f} us   ", end="", flush=True)
             finally:
                 w.close()
     _fill_speedups(rows)
     print()
-    if shared and cuda:
-        print("NCCL: not run (it refuses two ranks on one GPU); its columns are NaN.")
+    if skipped_nccl:
+        print("NCCL: not run where ranks share a GPU (it refuses two ranks on one GPU); its columns are NaN.")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.csv"), "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["date", "git_commit"])
-        if f.tell() == 0:
-            writer.writeheader()
-        for r in rows:
-            writer.writerow({**r, "date": info["date"], "git_commit": info["git_commit"]})
+    _append_csv(os.path.join(args.out, "results.csv"),
+                [{**r, "date": info["date"], "git_commit": info["git_commit"]} for r in rows])
     path = os.path.join(args.out, "results.json")
     runs = json.load(open(path)) if os.path.exists(path) else []
     runs.append({"provenance": info, "rows": rows})
     json.dump(runs, open(path, "w"), indent=1)
+    try:
+        from bench.plot import plot
+
+        print("plots:", ", ".join(plot(path, args.out)))
+    except ImportError:
+        print("plots: not drawn (matplotlib missing: pip install -e '.[bench]')")
     print(format_table(rows))
 
 
-def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, timer) -> dict:
+def _append_csv(path: str, rows: list) -> None:
+    """Append rows; where the file's header lacks some of their columns, rewrite it with every
+    column, so that older rows stay aligned under their names."""
+    old, fields, rewrite = [], list(rows[0]), True
+    if os.path.exists(path) and os.path.getsize(path):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            head = list(reader.fieldnames or [])
+            rewrite = not set(fields) <= set(head)
+            old = list(reader) if rewrite else []
+            fields = head + [k for k in fields if k not in head]
+    with open(path, "w" if rewrite else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        if rewrite:
+            writer.writeheader()
+        writer.writerows(old + rows)
+
+
+def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, timer, dtype) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
     size = n * B * hn * (d + 2) * 2
     floor_us = floor_bytes(n, B, hn, d, shared) / rate * 1e6 if cuda else float("nan")
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d,
-                heads_per_rank=hn, B=B, mode=mode, backend=backend, num_warps=num_warps, pdl=pdl,
+                heads_per_rank=hn, B=B, mode=mode, backend=backend, dtype=dtype, num_warps=num_warps, pdl=pdl,
                 timer=timer, mark_us=max(r["mark_us"] for r in res), size_bytes=size,
                 **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
                 loop_us=max(r["loop_us"] for r in res), held=all(r["held"] for r in res) if cuda else None,

@@ -35,13 +35,13 @@ def _percentiles(xs: list) -> dict:
 
 
 def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: str, backend: str,
-          num_warps=None, pdl=None, timer: str = "clock") -> bool:
+          num_warps=None, pdl=None, timer: str = "clock", dtype: str = "bfloat16") -> bool:
     """Build this rank's communicator; returns whether its calls use programmatic dependent launch."""
     if "comm" in state:
         state.pop("comm").close()
     n = dist.get_world_size()
     state["comm"] = comm = DcpAllToAll(dist.group.WORLD, max_tokens=max_tokens, num_heads=heads_per_rank * n,
-                                       head_dim=head_dim, dtype=torch.bfloat16, device=device, backend=backend,
+                                       head_dim=head_dim, dtype=getattr(torch, dtype), device=device, backend=backend,
                                        num_warps=num_warps, pdl=pdl)
     if comm.device.type == "cuda":
         calibrate(state)

@@ -7,17 +7,33 @@ import sys
 
 def test_bench_cpu_writes_results(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench", "--world-size", "2", "--batch", "1", "3",
-                           "--iters", "2", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600)
+                           "--iters", "2", "--dtype", "float16", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "N backend" in proc.stdout
+    assert "N backend" in proc.stdout and "4/4" in proc.stdout
     runs = json.loads((tmp_path / "results.json").read_text())
     rows = runs[-1]["rows"]
     assert {r["backend"] for r in rows} == {"triton", "nccl"} and len(rows) == 4
-    assert all(r["max_rel_err"] < 1.6e-2 for r in rows)
+    assert all(r["max_rel_err"] < 1.6e-2 and r["dtype"] == "float16" for r in rows)
     assert all(r["backend"] == "nccl" or r["speedup"] > 0 for r in rows)
     assert (tmp_path / "results.csv").read_text().count("\n") == 5
     assert runs[-1]["provenance"]["torch"]
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
+
+
+def test_csv_rows_stay_under_their_columns(tmp_path):
+    """A run with new columns, appended to an older file, rewrites its header; nothing shifts."""
+    import csv
+
+    from bench.__main__ import _append_csv
+
+    path = str(tmp_path / "results.csv")
+    _append_csv(path, [{"B": 1, "median_us": 2.0}])
+    _append_csv(path, [{"B": 3, "mark_us": 4.0, "median_us": 5.0}])
+    _append_csv(path, [{"median_us": 6.0, "B": 7, "mark_us": 8.0}])
+    with open(path, newline="") as f:
+        got = [(r["B"], r["median_us"], r["mark_us"]) for r in csv.DictReader(f)]
+    assert got == [("1", "2.0", ""), ("3", "5.0", "4.0"), ("7", "6.0", "8.0")]
 
 
 def test_plots_drawn_from_the_data(tmp_path):
