@@ -6,9 +6,12 @@ Every rank replays a CUDA graph of ``--calls`` calls (like a model's layers) wit
 in (``DCP_A2A_TRACE=1``). Device times (``%globaltimer``, one clock for all ranks of one GPU) split
 each call of each rank into: the gap since its previous call had combined (epoch advance, kernel
 exit, next launch; with programmatic launch, until the wait for the previous kernel returns), its
-pushes up to the last flag published, the wait for the slowest peer to
-publish, the time from that peer's publish until this rank had seen every tile (flag latency), and
-the combine. The table gives medians over the calls after the first of each graph and over ranks.
+pushes up to the last flag published, the wait for the slowest peer to publish, the time from that
+peer's publish until this rank had seen every tile (flag latency), and the combine. ``wait`` is
+the peer wait and the flag latency together (this rank's last publish until it had seen every
+tile): it needs no clock shared by the ranks, so with ranks on several GPUs (a clock each) read it,
+the gap, the push, the combine and the period, not the peer wait and flag columns. The table
+gives medians over the calls after the first of each graph and over ranks.
 The trace costs a few timer reads and stores per program: times run slightly above the untraced
 benchmark's.
 """
@@ -27,7 +30,7 @@ from dcp.protocol import ChannelLayout
 from dcp.reference import make_inputs
 from dcp.spawn import World
 
-PHASES = ("period", "gap", "push", "peer_wait", "flag", "combine")
+PHASES = ("period", "gap", "push", "peer_wait", "flag", "wait", "combine")
 HEADS_PER_RANK = 16
 
 
@@ -73,6 +76,7 @@ def phases(per_rank: list, calls: int) -> dict:
         "push": pushed - start,
         "peer_wait": slowest_push - pushed,
         "flag": arrived - np.maximum(pushed, slowest_push),
+        "wait": arrived - pushed,
         "combine": combined - arrived,
     }
     inner = (np.arange(recs.shape[1]) % calls) != 0  # calls after the first of their graph
