@@ -24,6 +24,7 @@ from dcp.spawn import World
 from bench.ranks import calibrate, hold
 
 HOLD_US_PER_CALL = 50  # the held step's sleeping kernel: more than a call takes to launch
+HELD_STEP = "lse_reduce (out=, queue held)"
 
 
 def _median_us(step, iters: int) -> float:
@@ -47,7 +48,7 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     one = torch.zeros(1, device=comm.device)
     steps = {
         "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
-        "lse_reduce (out=, queue held)": lambda: comm.lse_reduce(po, pl, out=y),
+        HELD_STEP: lambda: comm.lse_reduce(po, pl, out=y),
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
         "  _validate": lambda: comm._validate(po, pl, y, None, 0),
         "  _operands": lambda: comm._operands(po, pl, y, scratch),
@@ -64,13 +65,13 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
-        if "queue held" in name and cuda:
+        if name == HELD_STEP and cuda:
             # As in the benchmark: the calls are queued behind a sleeping kernel, not run as launched.
             hold(state, iters * HOLD_US_PER_CALL)
             first = torch.cuda.Event()
             first.record()
         res[name] = _median_us(step, iters)
-        if "queue held" in name and cuda:
+        if name == HELD_STEP and cuda:
             held = not first.query()
         if cuda:
             torch.cuda.synchronize()

@@ -10,9 +10,10 @@ from one mark to the next), then, as nccl-tests does, one pair of events around 
 (``host_loop_us``) is the launch rate with nothing queued between calls.
 
 A mark is a one-thread kernel that stores the GPU's clock (``timer="clock"``, the default) or a
-CUDA event (``"events"``). Under MPS on one H200, two events around each step added 13-30 us per
-step (``docs/NOTES.md``, "Per-step events"), more than a small call takes. A step's time includes
-one mark, whose own cost (marks back to back with nothing between) is reported as ``mark_us``.
+CUDA event (``"events"``). Under MPS on one H200 an event between steps read up to 13 us more per
+step than the clock kernel (N = 6, B = 8, eager; ``docs/NOTES.md``, item 12), more than a small
+call takes. A step's time includes one mark, whose own cost (marks back to back with nothing
+between) is reported as ``mark_us``.
 """
 
 import statistics

@@ -101,7 +101,7 @@ def test_trace_records_every_call_in_order(worlds):
     calls, B = 5, 40
     recs = worlds(3).run(rc.traced_calls, fresh_seed(), B=B, calls=calls)
     lay = ChannelLayout(world=3, heads_per_rank=2, head_dim=16, max_tokens=B)
-    programs = min(-(-B * 2 // lay.block_rows), 4)  # tiles, at most the CPU's 4 programs
+    programs = min(lay.tiles(B, lay.warps_for(B)), 4)  # tiles, at most the CPU's 4 programs
     assert programs > 1
     for r in recs:
         assert r.shape[0] == calls and list(r[:, 0, 0]) == list(range(1, calls + 1))
