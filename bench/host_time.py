@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dcp import DcpAllToAll
 from dcp.reference import make_inputs
 from dcp.spawn import World
-from bench.ranks import calibrate, hold
+from bench.ranks import calibrate, held_run
 
 HOLD_US_PER_CALL = 50  # the held step's sleeping kernel: more than a call takes to launch
 HELD_STEP = "lse_reduce (out=, queue held)"
@@ -65,14 +65,12 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
+        timed = lambda: res.__setitem__(name, _median_us(step, iters))
         if name == HELD_STEP and cuda:
             # As in the benchmark: the calls are queued behind a sleeping kernel, not run as launched.
-            hold(state, iters * HOLD_US_PER_CALL)
-            first = torch.cuda.Event()
-            first.record()
-        res[name] = _median_us(step, iters)
-        if name == HELD_STEP and cuda:
-            held = not first.query()
+            held = held_run(state, iters * HOLD_US_PER_CALL, timed, tries=1)[0]
+        else:
+            timed()
         if cuda:
             torch.cuda.synchronize()
     prof = cProfile.Profile()
