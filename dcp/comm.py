@@ -32,8 +32,7 @@ def _shape(t: torch.Tensor) -> str:
 def _expect(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
     """Accept ``t`` or raise naming what was expected and what came (messages built only then).
 
-    The last dimension's stride is checked where strides are read (``DcpAllToAll._operands``),
-    which calls with B = 0 skip: they read nothing."""
+    The last dimension's stride is checked where strides are read (``DcpAllToAll._operands``)."""
     if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device:
         return
     want = "[" + ", ".join(str(s) for s in shape) + "]"
@@ -225,24 +224,25 @@ class DcpAllToAll:
 
     # --- readiness -----------------------------------------------------------------------------
     @staticmethod
-    def _operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: torch.Tensor) -> tuple:
+    def _operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: Optional[torch.Tensor]) -> tuple:
         """The launch's variant and its eight stride arguments, each tensor's strides read once.
 
         The variant is everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer
         alignments. A pointer counts as aligned only if every token's row is, so that the chunks
         of a call with B > max_tokens share the variant of the whole call. Aligned row strides go
-        to the kernel divided by 8, which proves their alignment to it.
+        to the kernel divided by 8, which proves their alignment to it. ``y_lse`` None: the LSE
+        is not written (the kernel gets the scratch word and strides that are never used).
         """
-        (po_b, po_h, po_d), (y_b, y_h, y_d), s_lse, s_yl = po.stride(), y.stride(), lse.stride(), y_lse.stride()
+        (po_b, po_h, po_d), (y_b, y_h, y_d), (l_b, l_h) = po.stride(), y.stride(), lse.stride()
+        yl_b, yl_h = y_lse.stride() if y_lse is not None else (1, 1)
         if po_d != 1 or y_d != 1:
             _unit_last_stride("partial_out", po, po_d)
             _unit_last_stride("out", y, y_d)
-        po_ok = po.data_ptr() % 16 == 0 and po_b % 8 == 0
-        y_ok = y.data_ptr() % 16 == 0 and y_b % 8 == 0
+        po_ok = po_b % 8 == 0 and po.data_ptr() % 16 == 0
+        y_ok = y_b % 8 == 0 and y.data_ptr() % 16 == 0
         if po_ok and y_ok and po_h % 8 == 0 and y_h % 8 == 0:
-            return ((lse.dtype, True, True, True),
-                    (po_b // 8, po_h // 8, s_lse[0], s_lse[-1], y_b // 8, y_h // 8, s_yl[0], s_yl[-1]))
-        return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, s_lse[0], s_lse[-1], y_b, y_h, s_yl[0], s_yl[-1])
+            return (lse.dtype, True, True, True), (po_b // 8, po_h // 8, l_b, l_h, y_b // 8, y_h // 8, yl_b, yl_h)
+        return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h)
 
     def warmup(self, partial_out: Optional[torch.Tensor] = None,
                partial_lse: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> None:
@@ -269,7 +269,7 @@ class DcpAllToAll:
             self._load(po, lse, y)
 
     def _load(self, po, lse, y, operands: Optional[tuple] = None) -> None:
-        key, strides = operands or self._operands(po, lse, y, self._lse_scratch)
+        key, strides = operands or self._operands(po, lse, y, None)
         if key in self._ready:
             return
         if self.device.type == "cuda":
@@ -295,44 +295,58 @@ class DcpAllToAll:
         ``[B, H/N]`` fp32 in the base of the input LSE (``out_lse`` if given). ``check`` (default:
         the constructor's) synchronizes and raises a recorded timeout or size mismatch.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         B = self._validate(partial_out, partial_lse, out, out_lse, channel)
-        hn, d = self.heads_per_rank, self.head_dim
-        y = out if out is not None else torch.empty((B, hn, d), dtype=self.dtype, device=self.device)
-        y_lse = None
-        if return_lse:
-            y_lse = out_lse if out_lse is not None else torch.empty(
-                (B, hn), dtype=torch.float32, device=self.device)
+        y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim), dtype=self.dtype,
+                                                    device=self.device)
+        y_lse = out_lse
+        if return_lse and out_lse is None:
+            y_lse = torch.empty((B, self.heads_per_rank), dtype=torch.float32, device=self.device)
+        elif not return_lse:
+            y_lse = None  # an out_lse without return_lse is not written
+        operands = self._operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row, B = 0 too
         if B > 0:
-            write_lse = y_lse is not None
-            if not write_lse:
-                y_lse = self._lse_scratch
-            operands = self._operands(partial_out, partial_lse, y, y_lse)
             key, strides = operands
             if key not in self._ready:
                 self._load(partial_out, partial_lse, y, operands)
+            write_lse, lse_arg = (False, self._lse_scratch) if y_lse is None else (True, y_lse)
             if B <= self.max_tokens:
-                self._transport.launch(key, strides, partial_out, partial_lse, y, y_lse, B, channel, write_lse,
+                self._transport.launch(key, strides, partial_out, partial_lse, y, lse_arg, B, channel, write_lse,
                                        is_lse_base_on_e)
             else:
                 for b0 in range(0, B, self.max_tokens):
                     b1 = min(B, b0 + self.max_tokens)
                     self._transport.launch(key, strides, partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
-                                           y_lse[b0:b1] if write_lse else y_lse, b1 - b0, channel,
+                                           y_lse[b0:b1] if write_lse else lse_arg, b1 - b0, channel,
                                            write_lse, is_lse_base_on_e)
-            if not write_lse:
-                y_lse = None
             if check if check is not None else self.check_calls:
                 self.check(synchronize=True)
         return (y, y_lse) if return_lse else y
 
     def _validate(self, po, lse, out, out_lse, channel) -> int:
-        hn, h, d, dev = self.heads_per_rank, self.num_heads, self.head_dim, self.device
+        """The call's B, or raise naming the argument that does not fit.
+
+        A well-formed call passes one test that reads each tensor's shape, dtype and device once
+        (a third of an eager call's host time went to checking, ``python -m bench.host_time``);
+        anything else, tensor subclasses included, goes through ``_expect``, which names what was
+        expected and what came."""
+        hn, h, d, dev, dt = self.heads_per_rank, self.num_heads, self.head_dim, self.device, self.dtype
+        shape = po.shape if type(po) is torch.Tensor else ()
+        if (len(shape) == 3 and shape[1] == h and shape[2] == d and po.dtype is dt and po.device == dev
+                and type(lse) is torch.Tensor and lse.shape == (shape[0], h) and lse.dtype in LSE_DTYPES
+                and lse.device == dev
+                and (out is None or (type(out) is torch.Tensor and out.shape == (shape[0], hn, d)
+                                     and out.dtype is dt and out.device == dev))
+                and (out_lse is None or (type(out_lse) is torch.Tensor and out_lse.shape == (shape[0], hn)
+                                         and out_lse.dtype is torch.float32 and out_lse.device == dev))
+                and type(channel) is int and 0 <= channel < self.channels):
+            return shape[0]
         B = po.shape[0] if isinstance(po, torch.Tensor) and po.dim() == 3 else "B"  # "B": raises below
-        _expect("partial_out", po, (B, h, d), (self.dtype,), dev)
+        _expect("partial_out", po, (B, h, d), (dt,), dev)
         _expect("partial_lse", lse, (B, h), LSE_DTYPES, dev)
         if out is not None:
-            _expect("out", out, (B, hn, d), (self.dtype,), dev)
+            _expect("out", out, (B, hn, d), (dt,), dev)
         if out_lse is not None:
             _expect("out_lse", out_lse, (B, hn), (torch.float32,), dev)
         if not isinstance(channel, int) or not 0 <= channel < self.channels:

@@ -38,7 +38,7 @@ def _strided(t: torch.Tensor, heads_dim: int, pad: int = 3) -> torch.Tensor:
 def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", base_e: bool = True,
              return_lse: bool = True, use_out: bool = False, strided: bool = False,
              special: bool = False, channel: int = 0, return_output: bool = False,
-             misaligned: bool = False):
+             misaligned: bool = False, subclass: bool = False):
     """One call on fresh random inputs, checked against the float64 reference.
 
     Returns the max error, or with ``return_output`` the outputs themselves (on the CPU)."""
@@ -55,6 +55,8 @@ def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", bas
         raw = torch.empty(po.numel() + 1, dtype=po.dtype, device=dev)
         po = raw[1:].view(po.shape).copy_(po)
         assert po.data_ptr() % 16 != 0
+    if subclass:  # a torch.Tensor subclass, as frameworks pass (here nn.Parameter)
+        po, pl = (torch.nn.Parameter(t, requires_grad=False) for t in (po, pl))
     out = out_lse = None
     if use_out:  # poisoned: an element the kernel does not write stays NaN and fails the check
         out = torch.full((B, hn, D), float("nan"), dtype=comm.dtype, device=dev)
@@ -105,13 +107,20 @@ def bad_calls(state, key: str) -> list:
             torch.randn(2, D, H).to(comm.dtype).to(dev).transpose(1, 2), pl),
         "out_last_dim_stride": lambda: comm.lse_reduce(
             po, pl, out=torch.empty(2, D, hn, dtype=comm.dtype, device=dev).transpose(1, 2)),
+        "out_lse_shape": lambda: comm.lse_reduce(
+            po, pl, return_lse=True, out_lse=torch.empty(2, hn + 1, dtype=torch.float32, device=dev)),
+        "out_lse_dtype": lambda: comm.lse_reduce(
+            po, pl, return_lse=True, out_lse=torch.empty(2, hn, dtype=torch.float64, device=dev)),
+        "empty_last_dim_stride": lambda: comm.lse_reduce(  # B = 0: nothing to move, still malformed
+            torch.randn(0, D, H).to(comm.dtype).to(dev).transpose(1, 2), pl[:0]),
         "channel": lambda: comm.lse_reduce(po, pl, channel=comm.channels),
+        "negative_channel": lambda: comm.lse_reduce(po, pl, channel=-1),
         "not_tensor": lambda: comm.lse_reduce(po.tolist(), pl),
     }
-    if dev.type == "cpu":
-        cases["device"] = lambda: comm.lse_reduce(po.to("meta"), pl)
-    else:
-        cases["device"] = lambda: comm.lse_reduce(po.cpu(), pl.cpu())
+    elsewhere = "meta" if dev.type == "cpu" else "cpu"
+    cases["device"] = lambda: comm.lse_reduce(po.to(elsewhere), pl)
+    cases["lse_device"] = lambda: comm.lse_reduce(po, pl.to(elsewhere))
+    cases["out_device"] = lambda: comm.lse_reduce(po, pl, out=torch.empty(2, hn, D, dtype=comm.dtype, device=elsewhere))
     messages = []
     for name, call in cases.items():
         try:

@@ -26,6 +26,7 @@ def test_lse_reduce_matches_reference(worlds, n):
         dict(B=3, strided=True, lse_dtype="bfloat16", use_out=True),
         dict(B=MAX_TOKENS, special=True, base_e=False, use_out=True),
         dict(B=2, lse_dtype="float16", return_lse=False, misaligned=True),
+        dict(B=2, return_lse=True, subclass=True),
     ]
     for i, case in enumerate(cases):  # consecutive calls: both slots, several epochs
         w.run(rc.lse_case, "bf16", seed + i, **case)
