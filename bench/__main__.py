@@ -143,23 +143,22 @@ def main(argv=None) -> None:
     device = "cuda" if cuda else "cpu"
     seed = int.from_bytes(os.urandom(4), "little")
     mps_on = cuda and (args.mps or bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")))
-    runs_nccl = lambda n: not (cuda and gpus < n)  # NCCL refuses two ranks on one GPU
-    total = sum(len([b for b in args.backends if b == "triton" or runs_nccl(n)]) for n in args.world_size) \
+    shares_gpu = lambda n: cuda and gpus < n  # ranks share a GPU; NCCL refuses two ranks on one GPU
+    total = sum(len([b for b in args.backends if b == "triton" or not shares_gpu(n)]) for n in args.world_size) \
         * len(args.head_dim) * len(args.batch) * len(args.modes)
     with mps_daemon(args.mps and cuda):
         for n in args.world_size:
-            shared = gpus < n
+            shared = shares_gpu(n)
             w = World(n, device, pg_backend="gloo" if shared or not cuda else "nccl")
             try:
                 for backend in args.backends:
-                    if backend == "nccl" and not runs_nccl(n):
+                    if backend == "nccl" and shared:
                         skipped_nccl = True
                         continue
                     for d in args.head_dim:
-                        pdl = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
-                                    args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
-                                    args.timer, args.dtype)[0]
-                        lay = ChannelLayout(n, args.heads_per_rank, d, max(args.batch), args.num_warps)
+                        lay, pdl = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
+                                         args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
+                                         args.timer, args.dtype)[0]
                         for B in args.batch:
                             for mode in args.modes:
                                 res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)

@@ -36,8 +36,9 @@ def _percentiles(xs: list) -> dict:
 
 
 def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: str, backend: str,
-          num_warps=None, pdl=None, timer: str = "clock", dtype: str = "bfloat16") -> bool:
-    """Build this rank's communicator; returns whether its calls use programmatic dependent launch."""
+          num_warps=None, pdl=None, timer: str = "clock", dtype: str = "bfloat16") -> tuple:
+    """Build this rank's communicator; returns its layout (the tiling of each call size) and whether
+    its calls use programmatic dependent launch (where the layout's tiling launches early)."""
     if "comm" in state:
         state.pop("comm").close()
     n = dist.get_world_size()
@@ -53,7 +54,7 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         torch.cuda.synchronize()
         held, _ = held_run(state, MARK_PROBES * 100, lambda: [mark(i) for i in range(MARK_PROBES + 1)])
         state["mark_us"] = max(gather(statistics.median(intervals()))) if held else float("nan")
-    return comm.pdl and comm.backend == "triton"
+    return comm.layout, comm.pdl and comm.backend == "triton"
 
 
 def calibrate(state) -> None:

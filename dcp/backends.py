@@ -91,12 +91,11 @@ class TritonTransport:
         self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace,
                                                         PDL=early[w]),
                                    dict(num_warps=w, launch_pdl=early[w])) for w in layout.tilings}
-        # By call size (0 to max_tokens): its tiling's launcher and its grid, at most
-        # ``max_programs`` (all of them resident at once) and never more than tiles.
-        self.plan = []
-        for n in range(layout.max_tokens + 1):
-            w = layout.warps_for(n)
-            self.plan.append((self.fused[w], max(1, min(layout.tiles(n, w), max_programs, EPOCH_STRIDE))))
+        # By call size (index B - 1 for B = 1 to max_tokens): its tiling's launcher and its grid,
+        # at most ``max_programs`` (all of them resident at once) and never more than tiles.
+        self.plan = [(self.fused[layout.warps_for(n)],
+                      min(layout.tiles(n, layout.warps_for(n)), max_programs, EPOCH_STRIDE))
+                     for n in range(1, layout.max_tokens + 1)]
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []
@@ -128,7 +127,7 @@ class TritonTransport:
 
     def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, plan=None) -> None:
         """``strides``: the kernel's eight stride arguments (``DcpAllToAll._operands``)."""
-        fused, grid = plan or self.plan[n_tokens]
+        fused, grid = plan or self.plan[n_tokens - 1]
         fused(variant, grid, (po, lse, y, y_lse, self.ctl[channel]), n_tokens, self.rank, *strides,
               int(write_lse), _LOG2E if base_e else 1.0)
 

@@ -83,12 +83,8 @@ class ChannelLayout:
         return -(-n_tokens * self.heads_per_rank // self.tilings[warps])
 
     @cached_property
-    def block_rows(self) -> int:  # the smallest tiles, which size the flags
-        return min(self.tilings.values())
-
-    @cached_property
-    def tiles_max(self) -> int:
-        return -(-self.rows_max // self.block_rows)
+    def tiles_max(self) -> int:  # the most tiles a launch can have (its smallest tiles): they size the flags
+        return max(self.tiles(self.max_tokens, w) for w in self.tilings)
 
     @cached_property
     def flag_offset(self) -> int:
