@@ -236,17 +236,25 @@ def _fill_speedups(rows: list) -> None:
             r["nccl_us"], r["speedup"] = t, t / r["median_us"]
 
 
-def format_table(rows: list) -> str:
-    head = (f"{'N':>2} {'backend':>7} {'D':>4} {'B':>4} {'mode':>6} {'size(B)':>9} {'med(us)':>8} {'p10':>7} {'p90':>7} {'mark':>5} {'loop':>7} "
-            f"{'algbw':>7} {'busbw':>7} {'floor':>7} {'%floor':>6} {'host':>6} {'hloop':>6} {'nccl':>6} {'x':>5} {'held':>4}")
-    out = [head]
-    for r in rows:
-        out.append(f"{r['world']:>2} {r['backend']:>7} {r['head_dim']:>4} {r['B']:>4} {r['mode']:>6} {r['size_bytes']:>9} "
-                   f"{r['median_us']:>8.1f} {r['p10_us']:>7.1f} {r['p90_us']:>7.1f} {r['mark_us']:>5.1f} {r['loop_us']:>7.1f} {r['algbw_GBps']:>7.2f} "
-                   f"{r['busbw_GBps']:>7.2f} {r['floor_us']:>7.1f} {100 * r['floor_frac']:>5.0f}% "
-                   f"{r['host_us']:>6.1f} {r['host_loop_us']:>6.1f} {r['nccl_us']:>6.1f} {r['speedup']:>5.2f} {'-' if r['held'] is None else 'yes' if r['held'] else 'NO':>4}")
-    return "\n".join(out)
+# The table's columns: header, width, and how a row's value is written.
+_f1 = lambda key: lambda r: f"{r[key]:.1f}"
+_f2 = lambda key: lambda r: f"{r[key]:.2f}"
+COLUMNS = [
+    ("N", 2, lambda r: r["world"]), ("backend", 7, lambda r: r["backend"]), ("D", 4, lambda r: r["head_dim"]),
+    ("B", 4, lambda r: r["B"]), ("mode", 6, lambda r: r["mode"]), ("size(B)", 9, lambda r: r["size_bytes"]),
+    ("med(us)", 8, _f1("median_us")), ("p10", 7, _f1("p10_us")), ("p90", 7, _f1("p90_us")),
+    ("mark", 5, _f1("mark_us")), ("loop", 7, _f1("loop_us")), ("algbw", 7, _f2("algbw_GBps")),
+    ("busbw", 7, _f2("busbw_GBps")), ("floor", 7, _f1("floor_us")),
+    ("%floor", 6, lambda r: f"{100 * r['floor_frac']:.0f}%"), ("host", 6, _f1("host_us")),
+    ("hloop", 6, _f1("host_loop_us")), ("nccl", 6, _f1("nccl_us")), ("x", 5, _f2("speedup")),
+    ("held", 4, lambda r: "-" if r["held"] is None else "yes" if r["held"] else "NO"),
+]
 
+
+def format_table(rows: list) -> str:
+    lines = [" ".join(f"{head:>{width}}" for head, width, _ in COLUMNS)]
+    lines += [" ".join(f"{str(cell(r)):>{width}}" for _, width, cell in COLUMNS) for r in rows]
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
-from dcp.protocol import ChannelLayout
 from dcp.reference import make_inputs
 from dcp.spawn import World
 
@@ -34,8 +33,9 @@ PHASES = ("period", "gap", "push", "peer_wait", "flag", "wait", "combine")
 HEADS_PER_RANK = 16
 
 
-def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_warps) -> np.ndarray:
-    """Rank side: replay the graph and return its calls' records, int64 [replays * calls, programs, 5]."""
+def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_warps) -> tuple:
+    """Rank side: replay the graph; returns its calls' records, int64 [replays * calls, programs, 5],
+    and the warps per program of its tiling."""
     os.environ["DCP_A2A_TRACE"] = "1"
     n, rank = dist.get_world_size(), dist.get_rank()
     if "comm" in state:
@@ -58,7 +58,7 @@ def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_war
         graph.replay()
     records = comm.trace().numpy()
     comm.check()
-    return records[-replays * calls:]
+    return records[-replays * calls:], comm.layout.warps_for(B)
 
 
 def phases(per_rank: list, calls: int) -> dict:
@@ -108,17 +108,17 @@ def main(argv=None) -> None:
         w = World(n, "cuda", pg_backend="gloo")
         try:
             for B in args.batch:
-                recs = w.run(traced_calls, B, args.head_dim, args.calls, args.replays, args.num_warps, timeout=300)
-                warps = ChannelLayout(n, HEADS_PER_RANK, args.head_dim, B, args.num_warps).warps_for(B)
-                rows.append(dict(world=n, B=B, head_dim=args.head_dim, num_warps=warps,
-                                 **phases(recs, args.calls)))
+                res = w.run(traced_calls, B, args.head_dim, args.calls, args.replays, args.num_warps, timeout=300)
+                rows.append(dict(world=n, B=B, head_dim=args.head_dim, num_warps=res[0][1],
+                                 **phases([recs for recs, _ in res], args.calls)))
         finally:
             w.close()
-    head = f"{'N':>2} {'B':>4} {'warps':>5} {'progs':>5} " + " ".join(f"{k:>9}" for k in PHASES) + f" {'1st gap':>8} {'tick':>5}"
     print("median us per call (graph of %d calls, D = %d)" % (args.calls, args.head_dim))
-    print(head)
+    print(f"{'N':>2} {'B':>4} {'warps':>5} {'progs':>5} " + " ".join(f"{k:>9}" for k in PHASES)
+          + f" {'1st gap':>8} {'tick':>5}")
     for r in rows:
-        print(f"{r['world']:>2} {r['B']:>4} {r['num_warps']:>5} {r['programs']:>5} " + " ".join(f"{r[k] / 1e3:>9.2f}" for k in PHASES)
+        print(f"{r['world']:>2} {r['B']:>4} {r['num_warps']:>5} {r['programs']:>5} "
+              + " ".join(f"{r[k] / 1e3:>9.2f}" for k in PHASES)
               + f" {r['first_call_gap'] / 1e3:>8.2f} {r['timer_step']:>5.0f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "trace.json"), "a") as f:

@@ -201,7 +201,8 @@ def lse_alltoall_kernel(
         # Push: pack each tile for every destination straight into its receive slot; then one
         # fence for all of them and a relaxed flag per tile and destination (the release pattern,
         # paid once per program, not per tile or per peer).
-        dst16 = tl.multiple_of((bases + RECV_OFF).to(tl.pointer_type(tl.int16)), 16) + mine.to(tl.int64) * (ROWS_MAX * ROW)
+        dst16 = (tl.multiple_of((bases + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
+                 + mine.to(tl.int64) * (ROWS_MAX * ROW))
         dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int64)) + mine * TILES_MAX
         # Tiles pid, pid + G, ... (a while: the interpreter's range needs ints), each loaded one
         # step ahead so that a load is in flight while the previous tile is stored.
@@ -308,7 +309,8 @@ def _record_failure(status, flags, t, e, n_tokens, code, N: tl.constexpr, TILES_
             first = _load_relaxed(flags + s * TILES_MAX, GPU_SCOPE)
             got_now = (got & 0xFFFFFFFF) == e
             tl.store(status + 4 + s, (~got_now).to(tl.int32))
-            tl.store(status + 12 + s, tl.where(got_now, got >> 32, tl.where((first & 0xFFFFFFFF) == e, first >> 32, -1)).to(tl.int32))
+            announced = tl.where(got_now, got >> 32, tl.where((first & 0xFFFFFFFF) == e, first >> 32, -1))
+            tl.store(status + 12 + s, announced.to(tl.int32))
         tl.store(status, code)
 
 
@@ -356,7 +358,8 @@ def _load_relaxed_gpu(ptr, GPU_SCOPE: tl.constexpr):
 
 
 def _store_relaxed_gpu(ptr, val, GPU_SCOPE: tl.constexpr):
-    tl.inline_asm_elementwise("st.relaxed." + ("gpu" if GPU_SCOPE else "sys") + ".global.b64 [$1], $2;\n\tmov.u32 $0, 0;",
+    tl.inline_asm_elementwise("st.relaxed." + ("gpu" if GPU_SCOPE else "sys")
+                              + ".global.b64 [$1], $2;\n\tmov.u32 $0, 0;",
                               "=r,l,l", [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
 
 

@@ -40,8 +40,8 @@ def test_plots_drawn_from_the_data(tmp_path):
     """Both figures from a run where both backends ran, one panel per group size."""
     from bench.plot import plot
 
-    rows = [dict(world=n, B=b, backend=be, head_dim=64, mode="eager", median_us=b * n * (1.0 if be == "triton" else 2.0),
-                 speedup=2.0 if be == "triton" else 1.0)
+    rows = [dict(world=n, B=b, backend=be, head_dim=64, mode="eager",
+                 median_us=b * n * (1.0 if be == "triton" else 2.0), speedup=2.0 if be == "triton" else 1.0)
             for n in (2, 3) for b in (1, 2, 4) for be in ("triton", "nccl")]
     data = tmp_path / "results.json"
     data.write_text(json.dumps([{"rows": rows, "provenance": {"gpus": [], "torch": "t", "triton": "t"}}]))

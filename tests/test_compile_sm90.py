@@ -28,7 +28,8 @@ def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warp
     attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in aligned_ptrs}
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(c),): v for c, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "launch_pdl": pdl}).asm["ptx"]
+    options = {"num_warps": num_warps, "launch_pdl": pdl}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def _spill_bytes(ptx: str, tmp_path) -> int:
@@ -58,7 +59,8 @@ def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope, w
     assert f"relaxed.{other}" not in ptx
     assert "%globaltimer" in ptx
     if pdl:  # wait for the previous grid before the epoch is read; release the next once all arrived
-        wait, state, release = ptx.find("griddepcontrol.wait"), ptx.find("ld.volatile"), ptx.find("griddepcontrol.launch_dependents")
+        wait, state = ptx.find("griddepcontrol.wait"), ptx.find("ld.volatile")
+        release = ptx.find("griddepcontrol.launch_dependents")
         assert 0 <= wait < state and release > ptx.rfind(f"ld.relaxed.{scope}.global.b64")
     else:
         assert "griddepcontrol" not in ptx
