@@ -256,5 +256,6 @@ def format_table(rows: list) -> str:
     lines += [" ".join(f"{str(cell(r)):>{width}}" for _, width, cell in COLUMNS) for r in rows]
     return "\n".join(lines)
 
+
 if __name__ == "__main__":
     main()
