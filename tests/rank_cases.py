@@ -87,49 +87,64 @@ def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", bas
     return err
 
 
+class _Subclass(torch.Tensor):
+    """A tensor subclass: a call with one skips the communicator's fast check for the slow one."""
+
+
 def bad_calls(state, key: str) -> list:
-    """Every malformed call must raise, with a message naming what was expected and what came."""
+    """Every malformed call must raise, with a message naming what was expected and what came; the
+    same call with tensor-subclass arguments (checked by the slow path alone) raises the same."""
     comm: DcpAllToAll = state[key]
     dev, H, D, hn = comm.device, comm.num_heads, comm.head_dim, comm.heads_per_rank
     po = torch.randn(2, H, D).to(comm.dtype).to(dev)
     pl = torch.randn(2, H, device=dev)
     other = torch.float16 if comm.dtype == torch.bfloat16 else torch.bfloat16
-    cases = {
-        "ndim": lambda: comm.lse_reduce(po[0], pl),
-        "heads": lambda: comm.lse_reduce(po[:, :-1], pl[:, :-1]),
-        "head_dim": lambda: comm.lse_reduce(torch.randn(2, H, D + 8).to(comm.dtype).to(dev), pl),
-        "dtype": lambda: comm.lse_reduce(po.to(other), pl),
-        "lse_dtype": lambda: comm.lse_reduce(po, pl.double()),
-        "lse_shape": lambda: comm.lse_reduce(po, pl[:1]),
-        "out_shape": lambda: comm.lse_reduce(po, pl, out=torch.empty(2, hn + 1, D, dtype=comm.dtype, device=dev)),
-        "out_dtype": lambda: comm.lse_reduce(po, pl, out=torch.empty(2, hn, D, dtype=other, device=dev)),
-        "last_dim_stride": lambda: comm.lse_reduce(
-            torch.randn(2, D, H).to(comm.dtype).to(dev).transpose(1, 2), pl),
-        "out_last_dim_stride": lambda: comm.lse_reduce(
-            po, pl, out=torch.empty(2, D, hn, dtype=comm.dtype, device=dev).transpose(1, 2)),
-        "out_lse_shape": lambda: comm.lse_reduce(
-            po, pl, return_lse=True, out_lse=torch.empty(2, hn + 1, dtype=torch.float32, device=dev)),
-        "out_lse_dtype": lambda: comm.lse_reduce(
-            po, pl, return_lse=True, out_lse=torch.empty(2, hn, dtype=torch.float64, device=dev)),
-        "empty_last_dim_stride": lambda: comm.lse_reduce(  # B = 0: nothing to move, still malformed
-            torch.randn(0, D, H).to(comm.dtype).to(dev).transpose(1, 2), pl[:0]),
-        "channel": lambda: comm.lse_reduce(po, pl, channel=comm.channels),
-        "negative_channel": lambda: comm.lse_reduce(po, pl, channel=-1),
-        "not_tensor": lambda: comm.lse_reduce(po.tolist(), pl),
-    }
     elsewhere = "meta" if dev.type == "cpu" else "cpu"
-    cases["device"] = lambda: comm.lse_reduce(po.to(elsewhere), pl)
-    cases["lse_device"] = lambda: comm.lse_reduce(po, pl.to(elsewhere))
-    cases["out_device"] = lambda: comm.lse_reduce(po, pl, out=torch.empty(2, hn, D, dtype=comm.dtype, device=elsewhere))
+
+    def cases(wrap) -> dict:
+        def call(*args, **kwargs):
+            return comm.lse_reduce(*map(wrap, args), **{k: wrap(v) for k, v in kwargs.items()})
+        return {
+            "ndim": lambda: call(po[0], pl),
+            "heads": lambda: call(po[:, :-1], pl[:, :-1]),
+            "head_dim": lambda: call(torch.randn(2, H, D + 8).to(comm.dtype).to(dev), pl),
+            "dtype": lambda: call(po.to(other), pl),
+            "lse_dtype": lambda: call(po, pl.double()),
+            "lse_shape": lambda: call(po, pl[:1]),
+            "out_shape": lambda: call(po, pl, out=torch.empty(2, hn + 1, D, dtype=comm.dtype, device=dev)),
+            "out_dtype": lambda: call(po, pl, out=torch.empty(2, hn, D, dtype=other, device=dev)),
+            "last_dim_stride": lambda: call(torch.randn(2, D, H).to(comm.dtype).to(dev).transpose(1, 2), pl),
+            "out_last_dim_stride": lambda: call(
+                po, pl, out=torch.empty(2, D, hn, dtype=comm.dtype, device=dev).transpose(1, 2)),
+            "out_lse_shape": lambda: call(
+                po, pl, return_lse=True, out_lse=torch.empty(2, hn + 1, dtype=torch.float32, device=dev)),
+            "out_lse_dtype": lambda: call(
+                po, pl, return_lse=True, out_lse=torch.empty(2, hn, dtype=torch.float64, device=dev)),
+            "empty_last_dim_stride": lambda: call(  # B = 0: nothing to move, still malformed
+                torch.randn(0, D, H).to(comm.dtype).to(dev).transpose(1, 2), pl[:0]),
+            "channel": lambda: call(po, pl, channel=comm.channels),
+            "negative_channel": lambda: call(po, pl, channel=-1),
+            "not_tensor": lambda: call(po.tolist(), pl),
+            "device": lambda: call(po.to(elsewhere), pl),
+            "lse_device": lambda: call(po, pl.to(elsewhere)),
+            "out_device": lambda: call(po, pl, out=torch.empty(2, hn, D, dtype=comm.dtype, device=elsewhere)),
+        }
+
+    plain = cases(lambda v: v)
+    subclassed = cases(lambda v: v.as_subclass(_Subclass) if isinstance(v, torch.Tensor) else v)
     messages = []
-    for name, call in cases.items():
-        try:
-            call()
-        except (ValueError, TypeError, DcpError) as exc:
-            assert "expected" in str(exc), f"{name}: message does not say what was expected: {exc}"
-            messages.append(f"{name}: {exc}")
-        else:
-            raise AssertionError(f"{name}: malformed call was accepted")
+    for name in plain:
+        got = []
+        for call in (plain[name], subclassed[name]):
+            try:
+                call()
+            except (ValueError, TypeError, DcpError) as exc:
+                got.append(f"{type(exc).__name__}: {exc}")
+            else:
+                raise AssertionError(f"{name}: malformed call was accepted ({len(got)} of 2)")
+        assert "expected" in got[0], f"{name}: message does not say what was expected: {got[0]}"
+        assert got[0] == got[1], f"{name}: the fast and the slow check disagree: {got}"
+        messages.append(f"{name}: {got[0]}")
     return messages
 
 
