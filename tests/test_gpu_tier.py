@@ -29,6 +29,7 @@ def test_lse_reduce_matches_reference_gpu(worlds, n):
             dict(B=7, strided=True, lse_dtype="bfloat16", use_out=True),
             dict(B=MAX_TOKENS, special=True, base_e=False, use_out=True),
             dict(B=3, lse_dtype="float16", return_lse=False),
+            dict(B=2, subclass=True),  # the slow argument check, then the same launch
         ]
         for i, case in enumerate(cases):
             w.run(rc.lse_case, "bf16", seed + i, **case)
