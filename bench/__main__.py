@@ -6,9 +6,10 @@ size is the bytes one rank sends (the packed [N, B, H/N, D+2] buffer), algbw = s
 busbw = algbw * (N - 1) / N.
 
 Times are device times per call (from one mark between steps to the next: a kernel storing the GPU
-clock, or ``--timer events``), the slowest rank's median, with the calls queued back to back behind
-a sleeping kernel (``bench.ranks``): ``held`` says the queue lasted the whole loop. A step's time
-includes one mark; ``mark`` is a mark's own time (marks with nothing between them). ``loop`` is
+clock, the first node of each graph in graph modes; or ``--timer events``), the slowest rank's
+median, with the calls queued back to back behind a sleeping kernel (``bench.ranks``): ``held``
+says the queue lasted the whole loop. A step's time includes one mark; ``mark`` is a mark's own
+time when launched alone (marks with nothing between them); ``timer`` says which. ``loop`` is
 nccl-tests' time: the mean per call of a second loop with events only at its two ends. ``host`` is
 the host time per call (the slowest rank's median over the timed steps, timed apart from their
 marks); ``hloop`` the same from the second loop (its host time over its calls: nothing queued
@@ -130,7 +131,8 @@ def main(argv=None) -> None:
     p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
                    help="programmatic dependent launch of the triton kernel (auto: where the GPU has it)")
     p.add_argument("--timer", choices=["clock", "events"], default="clock",
-                   help="mark between timed steps: a kernel storing the GPU clock, or a CUDA event")
+                   help="mark between timed steps: a kernel storing the GPU clock (in graph modes, the graph's "
+                        "first node), or a CUDA event")
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
     p.add_argument("--out", default="results", help="folder for results.csv and results.json")
     args = p.parse_args(argv)
@@ -165,8 +167,7 @@ def main(argv=None) -> None:
                                 warps = lay.warps_for(B if backend == "triton" else 1)
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
                                                  backend, rate, shared, cuda, warps,
-                                                 pdl and lay.launches_early(warps), args.timer if cuda else "host",
-                                                 args.dtype))
+                                                 pdl and lay.launches_early(warps), args.dtype))
                                 done = len(rows) * 30 // total
                                 print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} N={n} {backend} "
                                       f"D={d} B={B} {mode}: {rows[-1]['median_us']:.1f} us   ", end="", flush=True)
@@ -210,13 +211,13 @@ def _append_csv(path: str, rows: list) -> None:
         writer.writerows(old + rows)
 
 
-def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, timer, dtype) -> dict:
+def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
     size = n * B * hn * (d + 2) * 2
     floor_us = floor_bytes(n, B, hn, d, shared) / rate * 1e6 if cuda else float("nan")
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d,
                 heads_per_rank=hn, B=B, mode=mode, backend=backend, dtype=dtype, num_warps=num_warps, pdl=pdl,
-                timer=timer, mark_us=max(r["mark_us"] for r in res), size_bytes=size,
+                timer=res[0]["timer"], mark_us=max(r["mark_us"] for r in res), size_bytes=size,
                 **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
                 loop_us=max(r["loop_us"] for r in res), held=all(r["held"] for r in res) if cuda else None,
                 algbw_GBps=size / worst["median_us"] / 1e3,

@@ -13,7 +13,8 @@ A mark is a one-thread kernel that stores the GPU's clock (``timer="clock"``, th
 CUDA event (``"events"``). Under MPS on one H200 an event between steps read up to 13 us more per
 step than the clock kernel (N = 6, B = 8, eager; ``docs/NOTES.md``, item 12), more than a small
 call takes. A step's time includes one mark, whose own cost (marks back to back with nothing
-between) is reported as ``mark_us``.
+between) is reported as ``mark_us``. In graph modes the clock mark is the graph's first node, so
+that a step is one replay, as a model replays its graphs, and not a replay plus a launch of its own.
 """
 
 import statistics
@@ -49,11 +50,17 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         calibrate(state)
         state["timer"] = timer
         # What a mark costs with nothing between two of them (each timed step includes one).
-        mark, intervals = marks(timer, MARK_PROBES)
-        mark(0)  # compiles the clock kernel outside the hold
+        probe = Marks(timer, MARK_PROBES)
+        probe.mark()  # compiles the clock kernel outside the hold (and before any capture)
         torch.cuda.synchronize()
-        held, _ = held_run(state, MARK_PROBES * 100, lambda: [mark(i) for i in range(MARK_PROBES + 1)])
-        state["mark_us"] = max(gather(statistics.median(intervals()))) if held else float("nan")
+
+        def enqueue() -> None:
+            probe.restart()
+            for _ in range(MARK_PROBES + 1):
+                probe.mark()
+
+        held, _ = held_run(state, MARK_PROBES * 100, enqueue)
+        state["mark_us"] = max(gather(statistics.median(probe.intervals()))) if held else float("nan")
     return comm.layout, comm.pdl and comm.backend == "triton"
 
 
@@ -87,15 +94,43 @@ def held_run(state, hold_us: float, enqueue, tries: int = 3) -> tuple:
     return False, attempt
 
 
-def marks(timer: str, steps: int):
-    """Marks between timed steps: ``mark(i)`` queues mark i of ``steps + 1``; ``intervals()``
-    gives the device microseconds between consecutive marks once they have run."""
-    if timer == "clock":
-        stamps = torch.zeros(steps + 1, dtype=torch.int64, device="cuda")
-        clock = build_kernels(interpret=False).clock
-        return (lambda i: clock[(1,)](stamps, i)), (lambda: (stamps.diff().double() / 1e3).tolist())
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    return (lambda i: ev[i].record()), (lambda: [a.elapsed_time(b) * 1e3 for a, b in zip(ev, ev[1:])])
+class Marks:
+    """Marks between timed steps: ``mark()`` queues the next of ``steps + 1``; ``intervals()`` gives
+    the device microseconds between consecutive marks once they have run, and raises unless exactly
+    ``steps + 1`` ran since ``restart()``. A clock mark takes its slot from a counter on the device,
+    so a CUDA graph may hold it (``capturable``); an event is recorded by the host."""
+
+    def __init__(self, timer: str, steps: int):
+        self.steps, self.capturable, self.count = steps, timer == "clock", 0
+        if self.capturable:
+            self.stamps = torch.zeros(steps + 2, dtype=torch.int64, device="cuda")  # the last: marks run
+            self.clock = build_kernels(interpret=False).clock
+        else:
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+
+    def mark(self) -> None:
+        if self.capturable:
+            self.clock[(1,)](self.stamps, self.steps + 1)
+        else:
+            if self.count <= self.steps:
+                self.events[self.count].record()
+            self.count += 1
+
+    def restart(self) -> None:
+        """Start over with the first mark (for clock marks: queued, as their counter lives on the device)."""
+        self.count = 0
+        if self.capturable:
+            self.stamps[-1].zero_()
+
+    def intervals(self) -> list:
+        if self.capturable:
+            stamps = self.stamps.tolist()
+            self.count = stamps.pop()
+        if self.count != self.steps + 1:
+            raise RuntimeError(f"{self.count} marks ran where {self.steps + 1} were expected")
+        if self.capturable:
+            return [(b - a) / 1e3 for a, b in zip(stamps, stamps[1:])]
+        return [a.elapsed_time(b) * 1e3 for a, b in zip(self.events, self.events[1:])]
 
 
 def gather(value) -> list:
@@ -125,21 +160,22 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     assert err < 1.6e-2, f"B={B}: result differs from the reference ({err})"
     cuda = dev.type == "cuda"
     calls = 8 if mode == "graph8" else 1
+    marks = Marks(state["timer"], iters) if cuda else None
+    in_graph = cuda and marks.capturable and mode.startswith("graph")
     if mode.startswith("graph"):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
+            if in_graph:
+                marks.mark()
             for _ in range(calls):
                 comm.lse_reduce(po, pl, out=y)
         step = graph.replay
     else:
         step = lambda: comm.lse_reduce(po, pl, out=y)
-    if cuda:
-        mark, intervals = marks(state["timer"], iters)
-    else:
-        mark = lambda i: None
+    mark = marks.mark if cuda and not in_graph else lambda: None
     t0 = time.perf_counter()
-    for i in range(min(10, iters)):
-        mark(i)
+    for _ in range(min(10, iters)):
+        mark()
         step()
     warm_us = (time.perf_counter() - t0) * 1e6 / min(10, iters)  # host time per marked step
     if cuda:
@@ -153,15 +189,16 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
         # loop as long as the first's last hold.
         def marked() -> None:
             host.clear()
-            for i in range(iters):
-                mark(i)
+            marks.restart()
+            for _ in range(iters):
+                mark()
                 t0 = time.perf_counter()
                 step()
                 host.append((time.perf_counter() - t0) * 1e6)
-            mark(iters)
+            marks.mark()  # the last step's end
 
         held, attempt = held_run(state, 3 * iters * warm_us, marked)
-        times = [t / calls for t in intervals()]
+        times = [t / calls for t in marks.intervals()]
         # nccl-tests' way: one pair of events around the whole loop, none between steps.
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         host_loop_s = []
@@ -190,6 +227,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     res["host_loop_us"] = host_loop / calls
     res["held"], res["loop_us"] = held, loop
     res["mark_us"] = state.get("mark_us", float("nan"))
+    res["timer"] = (state["timer"] + " in graph" if in_graph else state["timer"]) if cuda else "host"
     res["max_rel_err"] = err
     return res
 

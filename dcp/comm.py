@@ -300,11 +300,10 @@ class DcpAllToAll:
         B = self._validate(partial_out, partial_lse, out, out_lse, channel)
         y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim), dtype=self.dtype,
                                                     device=self.device)
-        y_lse = out_lse
-        if return_lse and out_lse is None:
-            y_lse = torch.empty((B, self.heads_per_rank), dtype=torch.float32, device=self.device)
-        elif not return_lse:
-            y_lse = None  # an out_lse without return_lse is not written
+        y_lse = None  # an out_lse without return_lse is not written
+        if return_lse:
+            y_lse = out_lse if out_lse is not None else torch.empty((B, self.heads_per_rank), dtype=torch.float32,
+                                                                    device=self.device)
         operands = self._operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row, B = 0 too
         if B > 0:
             key, strides = operands

@@ -344,10 +344,13 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
                   N, BLOCK_R, DP, ROW, D)
 
 
-def clock_kernel(out, i):
-    """Stores the device clock (ns) in out[i]. The benchmark queues one between timed steps: under
-    MPS a CUDA event recorded there costs more device time than a small call."""
-    tl.store(out + i, _now(i))
+def clock_kernel(out, n):
+    """Stores the device clock (ns) in the next of out's ``n`` slots; ``out[n]`` counts the launches.
+
+    The benchmark queues one between timed steps (under MPS a CUDA event recorded there costs more
+    device time than a small call). The slot comes from the device, so a graph may hold the mark."""
+    i = tl.atomic_add(out + n, 1, sem="relaxed")
+    tl.store(out + i, _now(i.to(tl.int32)), mask=i < n)
 
 
 # --- helpers that differ by execution mode -------------------------------------------------------
@@ -448,7 +451,7 @@ def build_kernels(interpret: bool) -> types.SimpleNamespace:
                   do_not_specialize_on_alignment=["lse"]),
         combine=wrap(rebind(combine_kernel, "combine_kernel"), do_not_specialize=_INT_ARGS,
                      do_not_specialize_on_alignment=["y_lse"]),
-        clock=wrap(rebind(clock_kernel, "clock_kernel"), do_not_specialize=["i"]),
+        clock=wrap(rebind(clock_kernel, "clock_kernel"), do_not_specialize=["n"]),
     )
     _built[interpret] = kernels
     return kernels

@@ -51,7 +51,8 @@ def test_plots_drawn_from_the_data(tmp_path):
 
 
 def test_clock_kernel_stores_increasing_times():
-    """The benchmark's mark, interpreted: each launch stores a later clock reading at its index."""
+    """The benchmark's mark, interpreted: each launch stores a later clock reading in the next slot
+    and counts itself; launches beyond the slots are counted and write nothing."""
     import time
 
     import torch
@@ -59,11 +60,12 @@ def test_clock_kernel_stores_increasing_times():
     from kernels import build_kernels
 
     clock = build_kernels(interpret=True).clock
-    stamps = torch.full((5,), -1, dtype=torch.int64)
+    stamps = torch.full((7,), -1, dtype=torch.int64)
+    stamps[4] = 0  # the count after four slots; two guard words behind it
     before = time.monotonic_ns()
-    for i in (0, 1, 2, 4):
-        clock[(1,)](stamps, i)
+    for _ in range(6):
+        clock[(1,)](stamps, 4)
     after = time.monotonic_ns()
-    assert stamps[3] == -1  # never marked, untouched
-    taken = stamps[[0, 1, 2, 4]]
+    assert stamps[4] == 6 and (stamps[5:] == -1).all()
+    taken = stamps[:4]
     assert (taken.diff() > 0).all() and before <= taken[0] and taken[-1] <= after

@@ -14,6 +14,7 @@ from triton.compiler import ASTSource
 from dcp.protocol import ChannelLayout
 from kernels import build_kernels
 
+
 def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warps: int = 8, pdl: bool = False):
     sig = {}
     for name in kernel.arg_names:
@@ -80,3 +81,9 @@ def test_nccl_path_kernels_compile():
     assert re.search(r"st\.global\.v4", ptx)
     ptx = _compile(k.combine, {"recv": "*i32", "y": "*bf16", "y_lse": "*fp32"}, common, ("recv", "y"))
     assert re.search(r"ld\.global\.v4", ptx)
+
+
+def test_clock_kernel_compiles():
+    """The benchmark's mark: a counter on the device picks its slot, so graphs can hold it."""
+    ptx = _compile(build_kernels(False).clock, {"out": "*i64"}, {}, num_warps=1)
+    assert "atom.global.gpu.relaxed.add.u64" in ptx and "%globaltimer" in ptx
