@@ -6,8 +6,9 @@ than of the Python loop that launches them; host time per call is measured separ
 whose queue ran dry before the host finished (the first timed call had already started) is
 reported as not held. Two loops: a mark between consecutive steps (median, p10, p90 of the time
 from one mark to the next), then, as nccl-tests does, one pair of events around all steps
-(``loop_us``, the mean per call with nothing between the steps); its host time per call
-(``host_loop_us``) is the launch rate with nothing queued between calls.
+(``loop_us``, the mean per call with nothing between the steps but, in graph modes, the mark each
+graph holds); its host time per call (``host_loop_us``) is the launch rate with nothing queued
+between calls.
 
 A mark is a one-thread kernel that stores the GPU's clock (``timer="clock"``, the default) or a
 CUDA event (``"events"``). Under MPS on one H200 an event between steps read up to 13 us more per
