@@ -36,12 +36,18 @@ from dcp.spawn import World
 from bench import ranks
 
 
-
 def _sh(cmd: str) -> str:
     try:
         return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
     except Exception:
         return ""
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def provenance(argv: list) -> dict:
@@ -117,16 +123,16 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, nargs="+",
+    p.add_argument("--world-size", type=_positive, nargs="+",
                    default=[torch.cuda.device_count()] if cuda and torch.cuda.device_count() > 1 else [3, 6])
-    p.add_argument("--batch", type=int, nargs="+",
+    p.add_argument("--batch", type=_positive, nargs="+",
                    default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if cuda else [1, 4, 16])
-    p.add_argument("--heads-per-rank", type=int, default=16 if cuda else 2)
-    p.add_argument("--head-dim", type=int, nargs="+", default=[512, 128] if cuda else [64])
+    p.add_argument("--heads-per-rank", type=_positive, default=16 if cuda else 2)
+    p.add_argument("--head-dim", type=_positive, nargs="+", default=[512, 128] if cuda else [64])
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="partial outputs' dtype")
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"])
     p.add_argument("--modes", nargs="+", default=["eager", "graph", "graph8"] if cuda else ["eager"])
-    p.add_argument("--iters", type=int, default=200 if cuda else 5)
+    p.add_argument("--iters", type=_positive, default=200 if cuda else 5)
     p.add_argument("--num-warps", type=int, default=None, help="fixed warps per program (default: by call size)")
     p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
                    help="programmatic dependent launch of the triton kernel (auto: where the GPU has it)")
@@ -158,16 +164,14 @@ def main(argv=None) -> None:
                         skipped_nccl = True
                         continue
                     for d in args.head_dim:
-                        lay, pdl = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
-                                         args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
-                                         args.timer, args.dtype)[0]
+                        tilings = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
+                                        args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
+                                        args.timer, args.dtype)[0]
                         for B in args.batch:
                             for mode in args.modes:
                                 res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
-                                warps = lay.warps_for(B if backend == "triton" else 1)
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
-                                                 backend, rate, shared, cuda, warps,
-                                                 pdl and lay.launches_early(warps), args.dtype))
+                                                 backend, rate, shared, cuda, *tilings[B - 1], args.dtype))
                                 done = len(rows) * 30 // total
                                 print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} N={n} {backend} "
                                       f"D={d} B={B} {mode}: {rows[-1]['median_us']:.1f} us   ", end="", flush=True)

@@ -38,9 +38,9 @@ def _percentiles(xs: list) -> dict:
 
 
 def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: str, backend: str,
-          num_warps=None, pdl=None, timer: str = "clock", dtype: str = "bfloat16") -> tuple:
-    """Build this rank's communicator; returns its layout (the tiling of each call size) and whether
-    its calls use programmatic dependent launch (where the layout's tiling launches early)."""
+          num_warps=None, pdl=None, timer: str = "clock", dtype: str = "bfloat16") -> list:
+    """Build this rank's communicator; returns the tiling of each call size from 1 to
+    ``max_tokens`` (warps per program, programmatic dependent launch: ``DcpAllToAll.tiling``)."""
     if "comm" in state:
         state.pop("comm").close()
     n = dist.get_world_size()
@@ -62,7 +62,7 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
 
         held, _ = held_run(state, MARK_PROBES * 100, enqueue)
         state["mark_us"] = max(gather(statistics.median(probe.intervals()))) if held else float("nan")
-    return comm.layout, comm.pdl and comm.backend == "triton"
+    return [comm.tiling(b) for b in range(1, max_tokens + 1)]
 
 
 def calibrate(state) -> None:
@@ -112,10 +112,10 @@ class Marks:
     def mark(self) -> None:
         if self.capturable:
             self.clock[(1,)](self.stamps, self.steps + 1)
-        else:
-            if self.count <= self.steps:
-                self.events[self.count].record()
-            self.count += 1
+            return
+        if self.count <= self.steps:  # marks beyond the last are counted, for intervals() to raise
+            self.events[self.count].record()
+        self.count += 1
 
     def restart(self) -> None:
         """Start over with the first mark (for clock marks: queued, as their counter lives on the device)."""

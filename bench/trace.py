@@ -58,7 +58,7 @@ def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_war
         graph.replay()
     records = comm.trace().numpy()
     comm.check()
-    return records[-replays * calls:], comm.layout.warps_for(B)
+    return records[-replays * calls:], comm.tiling(B)[0]
 
 
 def phases(per_rank: list, calls: int) -> dict:

@@ -132,6 +132,10 @@ class TritonTransport:
         fused(variant, grid, (po, lse, y, y_lse, self.ctl[channel]), n_tokens, self.rank, *strides,
               int(write_lse), _LOG2E if base_e else 1.0)
 
+    def tiling(self, n_tokens: int) -> tuple:
+        options = self.plan[n_tokens - 1][0].options
+        return options["num_warps"], options["launch_pdl"]
+
     def load(self, variant, strides, po, lse, y, y_lse) -> None:
         """Compile and load a variant in every tiling, with launches that touch nothing (B = 0)."""
         for fused in self.fused.values():
@@ -204,6 +208,9 @@ class NcclTransport:
             dist.all_to_all_single(recv, send, group=self.group)
         self.combine(variant, grid, (recv, y, y_lse), n_tokens, *strides[4:], int(write_lse),
                      _LOG2E if base_e else 1.0)
+
+    def tiling(self, n_tokens: int) -> tuple:
+        return self.warps, False
 
     def load(self, variant, strides, po, lse, y, y_lse) -> None:
         """Compile and load a variant with launches of no rows (and no exchange)."""

@@ -404,6 +404,14 @@ class DcpAllToAll:
             torch.cuda.synchronize(self.device)
         return self._transport.trace_records(channel)
 
+    def tiling(self, n_tokens: int) -> tuple:
+        """(warps per program, programmatic dependent launch) of the launches of a call of
+        ``n_tokens`` tokens; a call above ``max_tokens`` runs in launches of ``max_tokens``."""
+        self._check_open()
+        if type(n_tokens) is not int or n_tokens < 1:
+            raise ValueError(f"n_tokens: expected a positive integer, got {n_tokens!r}")
+        return self._transport.tiling(min(n_tokens, self.max_tokens))
+
     def memory_bytes(self) -> dict:
         """Bytes of persistent buffers this rank holds, per channel and in total."""
         per = self._transport.memory_bytes()

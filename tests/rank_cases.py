@@ -25,6 +25,17 @@ def close_comm(state, key: str) -> None:
     state.pop(key).close()
 
 
+def tilings(state, key: str, sizes: list) -> list:
+    """(warps, programmatic launch) of each call size, or the error a size raised."""
+    out = []
+    for n in sizes:
+        try:
+            out.append(state[key].tiling(n))
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
 def _strided(t: torch.Tensor, heads_dim: int, pad: int = 3) -> torch.Tensor:
     """The same values as a view into a larger buffer (head-sliced padding), not contiguous."""
     shape = list(t.shape)

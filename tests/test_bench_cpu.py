@@ -16,9 +16,21 @@ def test_bench_cpu_writes_results(tmp_path):
     assert {r["backend"] for r in rows} == {"triton", "nccl"} and len(rows) == 4
     assert all(r["max_rel_err"] < 1.6e-2 and r["dtype"] == "float16" for r in rows)
     assert all(r["backend"] == "nccl" or r["speedup"] > 0 for r in rows)
+    assert all(r["num_warps"] == 8 and r["pdl"] is False and r["timer"] == "host" for r in rows)
     assert (tmp_path / "results.csv").read_text().count("\n") == 5
     assert runs[-1]["provenance"]["torch"]
     assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
+
+
+def test_bench_rejects_sizes_below_one(capsys):
+    import pytest
+
+    from bench.__main__ import main
+
+    for flag in ("--batch", "--world-size", "--iters", "--head-dim", "--heads-per-rank"):
+        with pytest.raises(SystemExit):
+            main([flag, "0"])
+        assert "expected a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_csv_rows_stay_under_their_columns(tmp_path):

@@ -49,6 +49,14 @@ def test_small_and_large_call_tilings_alternate(worlds):
     # programmatic launch (GPU only) for the small calls' tiling, or for the one a user fixes
     assert [lay.launches_early(w) for w in sorted(lay.tilings)] == [True, False]
     assert ChannelLayout(3, 1, 128, 512, num_warps=16).launches_early(16)
+    # what the communicator reports for each size (interpreted: no programmatic launch); a chunked
+    # call runs in launches of max_tokens
+    got = w.run(rc.tilings, "tiles", [1, LARGE_CALL_TOKENS - 1, LARGE_CALL_TOKENS, 10 ** 6, 0])
+    assert got == [[(8, False), (8, False), (16, False), (16, False),
+                    "n_tokens: expected a positive integer, got 0"]] * 3
+    w.run(rc.make_comm, "nccl", max_tokens=LARGE_CALL_TOKENS + 8, num_heads=3, head_dim=128, backend="nccl")
+    assert w.run(rc.tilings, "nccl", [1, LARGE_CALL_TOKENS]) == [[(8, False)] * 2] * 3  # one tiling
+    w.run(rc.close_comm, "nccl")
     sizes = [LARGE_CALL_TOKENS, 5, LARGE_CALL_TOKENS + 8, 2 * LARGE_CALL_TOKENS + 30, 1]  # the fourth is chunked
     for i, B in enumerate(sizes):
         w.run(rc.lse_case, "tiles", seed + i, B=B, use_out=True, special=i % 2 == 0)
