@@ -85,7 +85,7 @@ def held_run(state, hold_us: float, enqueue, tries: int = 3) -> tuple:
     hold, ``tries`` times in all. Returns whether every rank's queue held, and the last attempt."""
     for attempt in range(tries):
         first = torch.cuda.Event()
-        hold(state, hold_us * 4 ** attempt)
+        _hold(state, hold_us * 4 ** attempt)
         first.record()
         enqueue()
         held = not first.query()
@@ -141,7 +141,7 @@ def gather(value) -> list:
     return seen
 
 
-def hold(state, us: float) -> None:
+def _hold(state, us: float) -> None:
     """Queue a sleeping kernel of about ``us`` microseconds (at least 1 ms) after a barrier."""
     dist.barrier()
     torch.cuda._sleep(int(state["cycles_per_us"] * (us + 1000)))
