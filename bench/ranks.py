@@ -6,9 +6,9 @@ than of the Python loop that launches them; host time per call is measured separ
 whose queue ran dry before the host finished (the first timed call had already started) is
 reported as not held. Two loops: a mark between consecutive steps (median, p10, p90 of the time
 from one mark to the next), then, as nccl-tests does, one pair of events around all steps
-(``loop_us``, the mean per call with nothing between the steps but, in graph modes, the mark each
-graph holds); its host time per call (``host_loop_us``) is the launch rate with nothing queued
-between calls.
+(``loop_us``, the mean per call with nothing between the steps: in graph modes it replays graphs
+captured without the mark); its host time per call (``host_loop_us``) is the launch rate with
+nothing queued between calls.
 
 A mark is a one-thread kernel that stores the GPU's clock (``timer="clock"``, the default) or a
 CUDA event (``"events"``). Under MPS on one H200 an event between steps read up to 13 us more per
@@ -54,13 +54,7 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         probe = Marks(timer, MARK_PROBES)
         probe.mark()  # compiles the clock kernel outside the hold (and before any capture)
         torch.cuda.synchronize()
-
-        def enqueue() -> None:
-            probe.restart()
-            for _ in range(MARK_PROBES + 1):
-                probe.mark()
-
-        held, _ = held_run(state, MARK_PROBES * 100, enqueue)
+        held = held_steps(state, probe, probe.mark, MARK_PROBES, MARK_PROBES * 100)[0]
         state["mark_us"] = max(gather(statistics.median(probe.intervals()))) if held else float("nan")
     return [comm.tiling(b) for b in range(1, max_tokens + 1)]
 
@@ -93,6 +87,27 @@ def held_run(state, hold_us: float, enqueue, tries: int = 3) -> tuple:
         if all(gather(held)):
             return True, attempt
     return False, attempt
+
+
+def held_steps(state, marks: "Marks", step, steps: int, hold_us: float, mark_each: bool = False) -> tuple:
+    """Queue ``steps`` steps, then the mark that ends the last, behind a hold (``held_run``); with
+    ``mark_each`` a mark before each step, else the step is or holds its own marks. Returns whether
+    every rank's queue held, the attempt, and each step's host time in us (marks left out)."""
+    host = []
+
+    def enqueue() -> None:
+        marks.restart()
+        host.clear()
+        for _ in range(steps):
+            if mark_each:
+                marks.mark()
+            t0 = time.perf_counter()
+            step()
+            host.append((time.perf_counter() - t0) * 1e6)
+        marks.mark()
+
+    held, attempt = held_run(state, hold_us, enqueue)
+    return held, attempt, host
 
 
 class Marks:
@@ -163,22 +178,30 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     calls = 8 if mode == "graph8" else 1
     marks = Marks(state["timer"], iters) if cuda else None
     in_graph = cuda and marks.capturable and mode.startswith("graph")
-    if mode.startswith("graph"):
+
+    def captured(with_mark: bool):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            if in_graph:
+            if with_mark:
                 marks.mark()
             for _ in range(calls):
                 comm.lse_reduce(po, pl, out=y)
-        step = graph.replay
+        return graph.replay
+
+    if mode.startswith("graph"):
+        step = captured(in_graph)
+        # The second loop replays graphs without the mark: nothing but the calls between its events.
+        plain_step = captured(False) if in_graph else step
     else:
-        step = lambda: comm.lse_reduce(po, pl, out=y)
+        step = plain_step = lambda: comm.lse_reduce(po, pl, out=y)
     mark = marks.mark if cuda and not in_graph else lambda: None
     t0 = time.perf_counter()
     for _ in range(min(10, iters)):
         mark()
         step()
     warm_us = (time.perf_counter() - t0) * 1e6 / min(10, iters)  # host time per marked step
+    if plain_step is not step:
+        plain_step()  # a graph's first replay uploads it
     if cuda:
         torch.cuda.synchronize()
     # Every rank holds its queue equally long (the slowest host's estimate), so the ranks start
@@ -188,17 +211,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     if cuda:
         # Held three times the loop's expected host time, longer where that ran dry; the second
         # loop as long as the first's last hold.
-        def marked() -> None:
-            host.clear()
-            marks.restart()
-            for _ in range(iters):
-                mark()
-                t0 = time.perf_counter()
-                step()
-                host.append((time.perf_counter() - t0) * 1e6)
-            marks.mark()  # the last step's end
-
-        held, attempt = held_run(state, 3 * iters * warm_us, marked)
+        held, attempt, host = held_steps(state, marks, step, iters, 3 * iters * warm_us, mark_each=not in_graph)
         times = [t / calls for t in marks.intervals()]
         # nccl-tests' way: one pair of events around the whole loop, none between steps.
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -208,7 +221,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
             a.record()
             t0 = time.perf_counter()
             for _ in range(iters):
-                step()
+                plain_step()
             host_loop_s[:] = [time.perf_counter() - t0]
             b.record()
 

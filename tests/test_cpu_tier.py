@@ -123,4 +123,4 @@ def test_trace_records_every_call_in_order(worlds):
         assert (r[used][:, 0] == np.repeat(np.arange(1, calls + 1), n_used[0])).all()
     split = phases(recs, calls=calls)  # as if one graph held them all
     assert split["period"] > 0 and all(np.isfinite(split[k]) for k in PHASES)
-    assert split["wait"] >= 0
+    assert split["programs"] == programs

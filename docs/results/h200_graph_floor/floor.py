@@ -14,14 +14,8 @@ from dcp.spawn import World
 STEPS = 200
 
 
-def _held(state, step, marks, steps: int = STEPS) -> list:
-    def enqueue() -> None:
-        marks.restart()
-        for _ in range(steps):
-            step()
-        marks.mark()
-
-    held, _ = ranks.held_run(state, steps * 60, enqueue)
+def _held(state, step, marks) -> list:
+    held = ranks.held_steps(state, marks, step, STEPS, STEPS * 60)[0]
     return marks.intervals() if held else []
 
 
