@@ -6,6 +6,7 @@ export PYTHONUNBUFFERED=1
 export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
 nvidia-cuda-mps-control -d; trap 'echo quit | nvidia-cuda-mps-control' EXIT
 ROOT=$PWD; AB=$OUT/ab; mkdir -p $AB
+python3 -m pytest -q -m gpu tests/test_bench_gpu.py -p no:cacheprovider 2>&1 | tail -3
 for round in 1 2; do
   for side in old new; do
     if [ $side = old ]; then tree=$ROOT/_ab_old; commit=$OLD; else tree=$ROOT; commit=$NEW; fi
