@@ -1,0 +1,87 @@
+"""Probe: why NCCL's graph rows do not hold their queue on two GPUs (`held` NO in every sweep).
+
+Per rank, a graph of one B = 8 call (D = 512, 16 heads per rank), or of the bare
+`all_to_all_single` of NCCL's path, is replayed 400 times behind a 200 ms sleeping kernel; each
+replay's host time says whether launches block before the sleep ends. The graphs' node types come
+from CUDA's debug dump (DOT files). Run from the repository root on two GPUs:
+`PYTHONPATH=. python3 docs/results/h200x2_nccl_graph/probe.py $OUT`.
+"""
+import collections
+import re
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench import ranks
+from dcp import DcpAllToAll
+from dcp.reference import make_inputs
+from dcp.spawn import World
+
+REPLAYS = 400
+HOLD_US = 200_000
+NODE_TYPES = re.compile(r"\b(KERNEL|MEMCPY|MEMSET|HOST|EVENT_RECORD|WAIT_EVENT|MEM_ALLOC|MEM_FREE|EMPTY|"
+                        r"BATCH_MEM_OP|CONDITIONAL|GRAPH|EXT_SEMAS_SIGNAL|EXT_SEMAS_WAIT)\b")
+
+
+def _replays(state, replay) -> dict:
+    """Host us per replay, queued behind the sleep; the replay at which the sleep had ended."""
+    first = torch.cuda.Event()
+    dist.barrier()
+    torch.cuda._sleep(int(state["cycles_per_us"] * HOLD_US))
+    first.record()
+    host, ended = [], None
+    for i in range(REPLAYS):
+        t0 = time.perf_counter()
+        replay()
+        host.append((time.perf_counter() - t0) * 1e6)
+        if ended is None and first.query():
+            ended = i
+    torch.cuda.synchronize()
+    blocked = [i for i, h in enumerate(host) if h > 1000]
+    return dict(first_blocked=blocked[0] if blocked else None, blocked=len(blocked), hold_ended_at=ended,
+                median_us=round(statistics.median(host), 1), max_us=round(max(host)), total_ms=round(sum(host) / 1e3, 1))
+
+
+def _captured(fn, dot: str):
+    g = torch.cuda.CUDAGraph()
+    g.enable_debug_mode()
+    with torch.cuda.graph(g):
+        fn()
+    g.debug_dump(dot)
+    g.replay()
+    torch.cuda.synchronize()
+    return g, dict(collections.Counter(NODE_TYPES.findall(open(dot).read())))
+
+
+def probe(state, out: str) -> dict:
+    ranks.calibrate(state)
+    res = {}
+    for backend in ("triton", "nccl"):
+        comm = DcpAllToAll(dist.group.WORLD, max_tokens=8, num_heads=32, head_dim=512, backend=backend)
+        outs, lses = make_inputs(1, 2, 8, 32, 512, comm.dtype)
+        po, pl = outs[comm.rank].cuda(), lses[comm.rank].cuda()
+        y = torch.empty((8, 16, 512), dtype=comm.dtype, device="cuda")
+        g, nodes = _captured(lambda: comm.lse_reduce(po, pl, out=y), f"{out}/{backend}_rank{comm.rank}.dot")
+        res[f"{backend} call"] = dict(nodes=nodes, **_replays(state, g.replay))
+        if backend == "nccl":
+            send, recv = comm._transport.send[0][:4096], comm._transport.recv[0][:4096]
+            g2, nodes = _captured(lambda: dist.all_to_all_single(recv, send), f"{out}/a2a_rank{comm.rank}.dot")
+            res["bare all_to_all_single"] = dict(nodes=nodes, **_replays(state, g2.replay))
+            del g2
+        del g
+        comm.check()
+        comm.close()
+    return res
+
+
+if __name__ == "__main__":
+    w = World(2, "cuda", pg_backend="nccl")
+    try:
+        for r, res in enumerate(w.run(probe, sys.argv[1], timeout=300)):
+            for k, v in res.items():
+                print(f"rank {r} {k}: {v}", flush=True)
+    finally:
+        w.close()
