@@ -3,11 +3,11 @@
 Per rank, a graph of one B = 8 call (D = 512, 16 heads per rank), or of the bare
 `all_to_all_single` of NCCL's path, is replayed 400 times behind a 200 ms sleeping kernel; each
 replay's host time says whether launches block before the sleep ends. The graphs' node types come
-from CUDA's debug dump (DOT files). Run from the repository root on two GPUs:
+from cudaGraphGetNodes (and a DOT dump of each graph). Run from the repository root on two GPUs:
 `PYTHONPATH=. python3 docs/results/h200x2_nccl_graph/probe.py $OUT`.
 """
 import collections
-import re
+import ctypes
 import statistics
 import sys
 import time
@@ -16,14 +16,31 @@ import torch
 import torch.distributed as dist
 
 from bench import ranks
-from dcp import DcpAllToAll
+from dcp import DcpAllToAll, cudart
 from dcp.reference import make_inputs
 from dcp.spawn import World
 
 REPLAYS = 400
 HOLD_US = 200_000
-NODE_TYPES = re.compile(r"\b(KERNEL|MEMCPY|MEMSET|HOST|EVENT_RECORD|WAIT_EVENT|MEM_ALLOC|MEM_FREE|EMPTY|"
-                        r"BATCH_MEM_OP|CONDITIONAL|GRAPH|EXT_SEMAS_SIGNAL|EXT_SEMAS_WAIT)\b")
+# cudaGraphNodeType values, in order
+NODE_TYPES = ("kernel", "memcpy", "memset", "host", "child graph", "empty", "wait event", "event record",
+              "ext semaphore signal", "ext semaphore wait", "mem alloc", "mem free", "batch mem op", "conditional")
+
+
+def _node_types(handle: int, dot: str) -> dict:
+    """The captured graph's node types (cudaGraphGetNodes), and its DOT dump for the record."""
+    lib, graph = cudart._cudart(), ctypes.c_void_p(handle)
+    count = ctypes.c_size_t(0)
+    cudart._check(lib.cudaGraphGetNodes(graph, None, ctypes.byref(count)), "cudaGraphGetNodes")
+    nodes = (ctypes.c_void_p * count.value)()
+    cudart._check(lib.cudaGraphGetNodes(graph, nodes, ctypes.byref(count)), "cudaGraphGetNodes")
+    types = collections.Counter()
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        cudart._check(lib.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cudaGraphNodeGetType")
+        types[NODE_TYPES[kind.value] if 0 <= kind.value < len(NODE_TYPES) else str(kind.value)] += 1
+    cudart._check(lib.cudaGraphDebugDotPrint(graph, dot.encode(), ctypes.c_uint(1)), "cudaGraphDebugDotPrint")
+    return dict(types)
 
 
 def _replays(state, replay) -> dict:
@@ -46,14 +63,14 @@ def _replays(state, replay) -> dict:
 
 
 def _captured(fn, dot: str):
-    g = torch.cuda.CUDAGraph()
-    g.enable_debug_mode()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(g):
         fn()
-    g.debug_dump(dot)
+    nodes = _node_types(g.raw_cuda_graph(), dot)
+    g.instantiate()
     g.replay()
     torch.cuda.synchronize()
-    return g, dict(collections.Counter(NODE_TYPES.findall(open(dot).read())))
+    return g, nodes
 
 
 def probe(state, out: str) -> dict:
