@@ -171,7 +171,8 @@ def main(argv=None) -> None:
                             for mode in args.modes:
                                 res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
                                 rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
-                                                 backend, rate, shared, cuda, *tilings[B - 1], args.dtype))
+                                                 backend, rate, shared, cuda, *tilings[B - 1], args.dtype,
+                                                 args.iters))
                                 done = len(rows) * 30 // total
                                 print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} N={n} {backend} "
                                       f"D={d} B={B} {mode}: {rows[-1]['median_us']:.1f} us   ", end="", flush=True)
@@ -215,7 +216,7 @@ def _append_csv(path: str, rows: list) -> None:
         writer.writerows(old + rows)
 
 
-def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype) -> dict:
+def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype, iters) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
     size = n * B * hn * (d + 2) * 2
     floor_us = floor_bytes(n, B, hn, d, shared) / rate * 1e6 if cuda else float("nan")
@@ -224,6 +225,7 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
                 timer=res[0]["timer"], mark_us=max(r["mark_us"] for r in res), size_bytes=size,
                 **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
                 loop_us=max(r["loop_us"] for r in res), held=all(r["held"] for r in res) if cuda else None,
+                iters=iters, steps_per_hold=min(r["steps_per_hold"] for r in res),
                 algbw_GBps=size / worst["median_us"] / 1e3,
                 busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n,
                 floor_us=floor_us, floor_frac=floor_us / worst["median_us"],
@@ -241,6 +243,13 @@ def _fill_speedups(rows: list) -> None:
             r["nccl_us"], r["speedup"] = t, t / r["median_us"]
 
 
+def _held_cell(r: dict) -> str:
+    """yes / NO; "/k" where the steps were queued k at a time, each chunk behind its own hold."""
+    if r["held"] is None:
+        return "-"
+    return ("yes" if r["held"] else "NO") + (f"/{r['steps_per_hold']}" if r["steps_per_hold"] < r["iters"] else "")
+
+
 # The table's columns: header, width, and how a row's value is written.
 _f1 = lambda key: lambda r: f"{r[key]:.1f}"
 _f2 = lambda key: lambda r: f"{r[key]:.2f}"
@@ -252,8 +261,9 @@ COLUMNS = [
     ("busbw", 7, _f2("busbw_GBps")), ("floor", 7, _f1("floor_us")),
     ("%floor", 6, lambda r: f"{100 * r['floor_frac']:.0f}%"), ("host", 6, _f1("host_us")),
     ("hloop", 6, _f1("host_loop_us")), ("nccl", 6, _f1("nccl_us")), ("x", 5, _f2("speedup")),
-    ("held", 4, lambda r: "-" if r["held"] is None else "yes" if r["held"] else "NO"),
+    ("held", 6, _held_cell),
 ]
+
 
 
 def format_table(rows: list) -> str:

@@ -4,7 +4,9 @@ On a GPU the timed calls are queued behind a sleeping kernel long enough for the
 all of them (nvbench's blocking kernel), so that device times are of the calls back to back rather
 than of the Python loop that launches them; host time per call is measured separately. A point
 whose queue ran dry before the host finished (the first timed call had already started) is
-reported as not held. Two loops: a mark between consecutive steps (median, p10, p90 of the time
+reported as not held. Where a launch blocked on a full queue (CUDA lets only some tens of replays
+of NCCL's captured graphs wait in a stream), the steps are queued in chunks that fit, each behind a
+hold of its own (``steps_per_hold``). Two loops: a mark between consecutive steps (median, p10, p90 of the time
 from one mark to the next), then, as nccl-tests does, one pair of events around all steps
 (``loop_us``, the mean per call with nothing between the steps: in graph modes it replays graphs
 captured without the mark); its host time per call (``host_loop_us``) is the launch rate with
@@ -20,6 +22,7 @@ that a step is one replay, as a model replays its graphs, and not a replay plus 
 
 import statistics
 import time
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,8 +57,8 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         probe = Marks(timer, MARK_PROBES)
         probe.mark()  # compiles the clock kernel outside the hold (and before any capture)
         torch.cuda.synchronize()
-        held = held_steps(state, probe, probe.mark, MARK_PROBES, MARK_PROBES * 100)[0]
-        state["mark_us"] = max(gather(statistics.median(probe.intervals()))) if held else float("nan")
+        timed = held_steps(state, probe, probe.mark, MARK_PROBES, MARK_PROBES * 100)
+        state["mark_us"] = max(gather(statistics.median(timed.step_us))) if timed.held else float("nan")
     return [comm.tiling(b) for b in range(1, max_tokens + 1)]
 
 
@@ -73,47 +76,77 @@ def calibrate(state) -> None:
     state["cycles_per_us"] = max(gather(10 ** 7 / (a.elapsed_time(b) * 1e3)))
 
 
+# A launch that took longer than this waited for a full queue to drain: CUDA lets only some tens of
+# replays of a graph with event nodes (NCCL's, under torch) wait in a stream (docs/NOTES.md, item 32).
+BLOCKED_US = 500
+
+
 def held_run(state, hold_us: float, enqueue, tries: int = 3) -> tuple:
     """Queue ``enqueue()``'s work behind a sleeping kernel of ``hold_us``; while some rank's queue
     ran dry (its first queued work had started before its host finished), redo it with a 4x longer
-    hold, ``tries`` times in all. Returns whether every rank's queue held, and the last attempt."""
+    hold, ``tries`` times in all, unless a launch blocked on a full queue, which a longer hold cannot
+    help (``enqueue()`` returns the index of its first such launch, or None). Returns whether every
+    rank's queue held, the last attempt, and the earliest blocked launch of any rank (or None)."""
     for attempt in range(tries):
         first = torch.cuda.Event()
         _hold(state, hold_us * 4 ** attempt)
         first.record()
-        enqueue()
+        blocked = enqueue()
         held = not first.query()
         torch.cuda.synchronize()
-        if all(gather(held)):
-            return True, attempt
-    return False, attempt
+        seen = gather((held, blocked))
+        blocked = min((b for _, b in seen if b is not None), default=None)
+        if all(h for h, _ in seen) or blocked is not None:
+            return all(h for h, _ in seen), attempt, blocked
+    return False, attempt, None
 
 
-def held_steps(state, marks: "Marks", step, steps: int, hold_us: float, mark_each: bool = False) -> tuple:
+class HeldSteps(NamedTuple):
+    held: bool  # every rank's queue held, in every chunk
+    attempt: int  # of the last chunk's hold (held_run)
+    host_us: list  # each step's host time, marks left out
+    step_us: list  # device time between consecutive marks
+    chunk: int  # steps queued behind one hold
+
+
+def held_steps(state, marks: "Marks", step, steps: int, hold_us: float, mark_each: bool = False) -> HeldSteps:
     """Queue ``steps`` steps, then the mark that ends the last, behind a hold (``held_run``); with
-    ``mark_each`` a mark before each step, else the step is or holds its own marks. Returns whether
-    every rank's queue held, the attempt, and each step's host time in us (marks left out)."""
-    host = []
+    ``mark_each`` a mark before each step, else the step is or holds its own marks. Where a launch
+    blocked on a full queue, start over in chunks of half the steps that fitted, each chunk behind
+    a hold of its own (its share of ``hold_us``) and timed between its own marks."""
+    chunk = steps
+    while True:
+        host, times = [], []
+        for first in range(0, steps, chunk):
+            n = min(chunk, steps - first)
+            part: list = []
 
-    def enqueue() -> None:
-        marks.restart()
-        host.clear()
-        for _ in range(steps):
-            if mark_each:
+            def enqueue() -> Optional[int]:
+                marks.restart()
+                part.clear()
+                for _ in range(n):
+                    if mark_each:
+                        marks.mark()
+                    t0 = time.perf_counter()
+                    step()
+                    part.append((time.perf_counter() - t0) * 1e6)
                 marks.mark()
-            t0 = time.perf_counter()
-            step()
-            host.append((time.perf_counter() - t0) * 1e6)
-        marks.mark()
+                return next((i for i, t in enumerate(part) if t > BLOCKED_US), None)
 
-    held, attempt = held_run(state, hold_us, enqueue)
-    return held, attempt, host
+            held, attempt, blocked = held_run(state, hold_us * n / steps, enqueue)
+            host += part
+            if not held:
+                break
+            times += marks.intervals(n + 1)
+        if held or blocked is None or chunk == 1:
+            return HeldSteps(held, attempt, host, times, chunk)
+        chunk = max(1, blocked // 2)
 
 
 class Marks:
     """Marks between timed steps: ``mark()`` queues the next of ``steps + 1``; ``intervals()`` gives
     the device microseconds between consecutive marks once they have run, and raises unless exactly
-    ``steps + 1`` ran since ``restart()``. A clock mark takes its slot from a counter on the device,
+    the expected number ran since ``restart()``. A clock mark takes its slot from a counter on the device,
     so a CUDA graph may hold it (``capturable``); an event is recorded by the host."""
 
     def __init__(self, timer: str, steps: int):
@@ -144,15 +177,17 @@ class Marks:
         if self.capturable:
             self.stamps[-1].zero_()
 
-    def intervals(self) -> list:
+    def intervals(self, count: Optional[int] = None) -> list:
+        """``count``: the marks expected since ``restart()``, at most (and by default) ``steps + 1``."""
+        count = self.steps + 1 if count is None else count
         if self.capturable:
             stamps = self.stamps.tolist()
             self.count = stamps.pop()
-        if self.count != self.steps + 1:
-            raise RuntimeError(f"{self.count} marks ran where {self.steps + 1} were expected")
+        if self.count != count or count > self.steps + 1:
+            raise RuntimeError(f"{self.count} marks ran where {count} were expected")
         if self.capturable:
-            return [(b - a) / 1e3 for a, b in zip(stamps, stamps[1:])]
-        return [a.elapsed_time(b) * 1e3 for a, b in zip(self.events, self.events[1:])]
+            return [(b - a) / 1e3 for a, b in zip(stamps[:count], stamps[1:count])]
+        return [a.elapsed_time(b) * 1e3 for a, b in zip(self.events[:count], self.events[1:count])]
 
 
 def gather(value) -> list:
@@ -213,27 +248,32 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     # Every rank holds its queue equally long (the slowest host's estimate), so the ranks start
     # their timed calls together.
     warm_us = max(gather(warm_us))
-    times, host, held, loop, host_loop = [], [], True, float("nan"), float("nan")
+    times, host, held, loop, host_loop, chunk = [], [], True, float("nan"), float("nan"), iters
     if cuda:
         # Held three times the loop's expected host time, longer where that ran dry; the second
-        # loop as long as the first's last hold.
-        held, attempt, host = held_steps(state, marks, step, iters, 3 * iters * warm_us, mark_each=not in_graph)
-        times = [t / calls for t in marks.intervals()]
-        # nccl-tests' way: one pair of events around the whole loop, none between steps.
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        host_loop_s = []
+        # loop as long as the first's last hold, in the same chunks.
+        timed = held_steps(state, marks, step, iters, 3 * iters * warm_us, mark_each=not in_graph)
+        held, host, chunk = timed.held, timed.host_us, timed.chunk
+        times = [t / calls for t in timed.step_us]
+        # nccl-tests' way: one pair of events around the loop (each chunk), none between steps.
+        loop_us, host_loop_s = 0.0, 0.0
+        for first in range(0, iters, chunk):
+            n = min(chunk, iters - first)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-        def plain() -> None:
-            a.record()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                plain_step()
-            host_loop_s[:] = [time.perf_counter() - t0]
-            b.record()
+            def plain() -> None:
+                nonlocal host_loop_s
+                a.record()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    plain_step()
+                host_loop_s += time.perf_counter() - t0
+                b.record()
 
-        held = held_run(state, 3 * iters * warm_us * 4 ** attempt, plain, tries=1)[0] and held
-        host_loop = host_loop_s[0] * 1e6 / iters
-        loop = a.elapsed_time(b) * 1e3 / (iters * calls)
+            held = held_run(state, 3 * n * warm_us * 4 ** timed.attempt, plain, tries=1)[0] and held
+            loop_us += a.elapsed_time(b) * 1e3
+        host_loop = host_loop_s * 1e6 / iters
+        loop = loop_us / (iters * calls)
     else:
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -245,7 +285,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     res = _percentiles(times)
     res["host_us"] = statistics.median(host) / calls
     res["host_loop_us"] = host_loop / calls
-    res["held"], res["loop_us"] = held, loop
+    res["held"], res["loop_us"], res["steps_per_hold"] = held, loop, chunk
     res["mark_us"] = state.get("mark_us", float("nan"))
     res["timer"] = (state["timer"] + " in graph" if in_graph else state["timer"]) if cuda else "host"
     res["max_rel_err"] = err

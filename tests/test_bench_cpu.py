@@ -105,3 +105,58 @@ def test_trace_phases_of_known_records():
     want = dict(period=1000, gap=795, push=110, peer_wait=15, flag=30, wait=45, combine=50,
                 first_call_gap=1295, programs=2, timer_step=1)
     assert split == want
+
+
+def test_held_steps_queue_in_chunks_where_a_launch_blocked(monkeypatch):
+    """A queue that takes 7 steps: the whole loop blocks at its 8th launch, so the steps go in
+    chunks of 3, each behind its own share of the hold and timed between its own marks."""
+    import time
+
+    from bench import ranks
+
+    queued, holds = [], []
+
+    class FakeMarks:
+        def restart(self):
+            self.n = 0
+            queued.clear()  # a new hold: an empty queue
+
+        def mark(self):
+            self.n += 1
+
+        def intervals(self, count):
+            assert self.n == count
+            return [float(len(holds))] * (count - 1)
+
+    def step():
+        queued.append(1)
+        if len(queued) > 7:
+            time.sleep(2 * ranks.BLOCKED_US / 1e6)  # a full queue: the launch waits
+
+    def fake_held_run(state, hold_us, enqueue, tries=3):
+        holds.append(hold_us)
+        blocked = enqueue()
+        return blocked is None, 0, blocked
+
+    monkeypatch.setattr(ranks, "held_run", fake_held_run)
+    timed = ranks.held_steps({}, FakeMarks(), step, 40, 400.0, mark_each=True)
+    assert timed.held and timed.chunk == 3 and len(timed.step_us) == 40 and len(timed.host_us) == 40
+    assert holds[0] == 400.0 and abs(sum(holds[1:]) - 400.0) < 1e-9 and len(holds) == 1 + 14
+    assert max(timed.host_us) < ranks.BLOCKED_US
+
+    def dry_held_run(state, hold_us, enqueue, tries=3):  # a slow host: the queue ran dry, nothing blocked
+        enqueue()
+        return False, tries - 1, None
+
+    monkeypatch.setattr(ranks, "held_run", dry_held_run)
+    slow = ranks.held_steps({}, FakeMarks(), lambda: None, 40, 400.0)
+    assert not slow.held and slow.chunk == 40 and slow.step_us == [] and len(slow.host_us) == 40
+
+
+def test_held_column_says_how_the_steps_were_held():
+    from bench.__main__ import COLUMNS, _held_cell
+
+    row = dict(held=True, steps_per_hold=3, iters=40)
+    assert _held_cell(row) == "yes/3" and _held_cell({**row, "steps_per_hold": 40}) == "yes"
+    assert _held_cell({**row, "held": False}) == "NO/3" and _held_cell({**row, "held": None}) == "-"
+    assert {head: cell for head, _, cell in COLUMNS}["held"] is _held_cell

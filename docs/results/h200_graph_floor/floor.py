@@ -15,8 +15,8 @@ STEPS = 200
 
 
 def _held(state, step, marks) -> list:
-    held = ranks.held_steps(state, marks, step, STEPS, STEPS * 60)[0]
-    return marks.intervals() if held else []
+    timed = ranks.held_steps(state, marks, step, STEPS, STEPS * 60)
+    return timed.step_us if timed.held else []
 
 
 def _median(xs: list) -> float:

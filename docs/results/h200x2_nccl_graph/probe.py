@@ -1,7 +1,8 @@
 """Probe: why NCCL's graph rows do not hold their queue on two GPUs (`held` NO in every sweep).
 
-Per rank, a graph of one B = 8 call (D = 512, 16 heads per rank), or of the bare
-`all_to_all_single` of NCCL's path, is replayed 400 times behind a 200 ms sleeping kernel; each
+Per rank, a graph of one B = 8 call (D = 512, 16 heads per rank), of the bare
+`all_to_all_single` of NCCL's path, or of two torch ops with and without an event record and wait
+between them, is replayed 400 times behind a 200 ms sleeping kernel; each
 replay's host time says whether launches block before the sleep ends. The graphs' node types come
 from cudaGraphGetNodes (and a DOT dump of each graph). Run from the repository root on two GPUs:
 `PYTHONPATH=. python3 docs/results/h200x2_nccl_graph/probe.py $OUT`.
@@ -76,6 +77,20 @@ def _captured(fn, dot: str):
 def probe(state, out: str) -> dict:
     ranks.calibrate(state)
     res = {}
+    x, ev = torch.zeros(1, device="cuda"), torch.cuda.Event(external=True)
+    rank = dist.get_rank()
+
+    def with_events() -> None:  # as torch's process group joins its NCCL stream: event nodes
+        x.add_(1)
+        ev.record()
+        torch.cuda.current_stream().wait_event(ev)
+        x.add_(1)
+
+    for name, fn in (("two torch add_", lambda: (x.add_(1), x.add_(1))),
+                     ("two torch add_ around an event record and wait", with_events)):
+        g, nodes = _captured(fn, f"{out}/{name.replace(' ', '_')}_rank{rank}.dot")
+        res[name] = dict(nodes=nodes, **_replays(state, g.replay))
+        del g
     for backend in ("triton", "nccl"):
         comm = DcpAllToAll(dist.group.WORLD, max_tokens=8, num_heads=32, head_dim=512, backend=backend)
         outs, lses = make_inputs(1, 2, 8, 32, 512, comm.dtype)
