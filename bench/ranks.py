@@ -4,7 +4,7 @@ On a GPU the timed calls are queued behind a sleeping kernel long enough for the
 all of them (nvbench's blocking kernel), so that device times are of the calls back to back rather
 than of the Python loop that launches them; host time per call is measured separately. A point
 whose queue ran dry before the host finished (the first timed call had already started) is
-reported as not held. Where a launch blocked on a full queue (CUDA lets only some tens of replays
+reported as not held. Where launches blocked on a full queue (CUDA lets only some tens of replays
 of NCCL's captured graphs wait in a stream), the steps are queued in chunks that fit, each behind a
 hold of its own (``steps_per_hold``). Two loops: a mark between consecutive steps (median, p10, p90 of the time
 from one mark to the next), then, as nccl-tests does, one pair of events around all steps
@@ -77,16 +77,18 @@ def calibrate(state) -> None:
 
 
 # A launch that took longer than this waited for a full queue to drain: CUDA lets only some tens of
-# replays of a graph with event nodes (NCCL's, under torch) wait in a stream (docs/NOTES.md, item 32).
+# replays of NCCL's captured graphs wait in a stream (docs/NOTES.md, item 32).
 BLOCKED_US = 500
 
 
 def held_run(state, hold_us: float, enqueue, tries: int = 3) -> tuple:
     """Queue ``enqueue()``'s work behind a sleeping kernel of ``hold_us``; while some rank's queue
     ran dry (its first queued work had started before its host finished), redo it with a 4x longer
-    hold, ``tries`` times in all, unless a launch blocked on a full queue, which a longer hold cannot
-    help (``enqueue()`` returns the index of its first such launch, or None). Returns whether every
-    rank's queue held, the last attempt, and the earliest blocked launch of any rank (or None)."""
+    hold, ``tries`` times in all. ``enqueue()`` returns the index of its first launch that blocked,
+    or None; where launches blocked in two attempts in a row, a longer hold cannot help (a host
+    that stalled once would not block twice), and it stops. Returns whether every rank's queue
+    held, the last attempt, and the earliest blocked launch of any rank in it (or None)."""
+    before = None
     for attempt in range(tries):
         first = torch.cuda.Event()
         _hold(state, hold_us * 4 ** attempt)
@@ -96,9 +98,12 @@ def held_run(state, hold_us: float, enqueue, tries: int = 3) -> tuple:
         torch.cuda.synchronize()
         seen = gather((held, blocked))
         blocked = min((b for _, b in seen if b is not None), default=None)
-        if all(h for h, _ in seen) or blocked is not None:
-            return all(h for h, _ in seen), attempt, blocked
-    return False, attempt, None
+        if all(h for h, _ in seen):
+            return True, attempt, blocked
+        if blocked is not None and before is not None:
+            break
+        before = blocked
+    return False, attempt, blocked
 
 
 class HeldSteps(NamedTuple):
@@ -111,9 +116,9 @@ class HeldSteps(NamedTuple):
 
 def held_steps(state, marks: "Marks", step, steps: int, hold_us: float, mark_each: bool = False) -> HeldSteps:
     """Queue ``steps`` steps, then the mark that ends the last, behind a hold (``held_run``); with
-    ``mark_each`` a mark before each step, else the step is or holds its own marks. Where a launch
-    blocked on a full queue, start over in chunks of half the steps that fitted, each chunk behind
-    a hold of its own (its share of ``hold_us``) and timed between its own marks."""
+    ``mark_each`` a mark before each step, else the step is or holds its own marks. Where launches
+    blocked on a full queue (``held_run``), start over in chunks of half the steps that fitted, each
+    chunk behind a hold of its own (its share of ``hold_us``) and timed between its own marks."""
     chunk = steps
     while True:
         host, times = [], []

@@ -160,3 +160,33 @@ def test_held_column_says_how_the_steps_were_held():
     assert _held_cell(row) == "yes/3" and _held_cell({**row, "steps_per_hold": 40}) == "yes"
     assert _held_cell({**row, "held": False}) == "NO/3" and _held_cell({**row, "held": None}) == "-"
     assert {head: cell for head, _, cell in COLUMNS}["held"] is _held_cell
+
+
+def test_held_run_stops_retrying_only_where_launches_block_twice(monkeypatch):
+    """A dry queue is retried with 4x longer holds; launches that blocked once (a host stall) are
+    retried too; blocked twice in a row (a full queue) ends the retries."""
+    import torch
+
+    from bench import ranks
+
+    def run(outcomes):  # per attempt: (queue ran dry, first blocked launch or None)
+        holds, dry = [], iter([d for d, _ in outcomes])
+        blocked = iter([b for _, b in outcomes])
+
+        class Event:
+            def record(self):
+                pass
+
+            def query(self):
+                return next(dry)
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(ranks, "_hold", lambda state, us: holds.append(us))
+        monkeypatch.setattr(ranks, "gather", lambda value: [value])
+        return ranks.held_run({}, 10.0, lambda: next(blocked)), holds
+
+    assert run([(False, None)]) == ((True, 0, None), [10.0])
+    assert run([(True, 5), (False, None)]) == ((True, 1, None), [10.0, 40.0])
+    assert run([(True, 5), (True, 7)]) == ((False, 1, 7), [10.0, 40.0])
+    assert run([(True, None), (True, 4), (True, None)]) == ((False, 2, None), [10.0, 40.0, 160.0])
