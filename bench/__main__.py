@@ -265,7 +265,6 @@ COLUMNS = [
 ]
 
 
-
 def format_table(rows: list) -> str:
     lines = [" ".join(f"{head:>{width}}" for head, width, _ in COLUMNS)]
     lines += [" ".join(f"{str(cell(r)):>{width}}" for _, width, cell in COLUMNS) for r in rows]

@@ -57,9 +57,8 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
         "for scale: a 1-element torch add_": lambda: one.add_(1),
         "empty step (timer only)": lambda: None,
     }
-    if cuda:  # what the benchmark launches between its eager steps
-        steps["for scale: the benchmark's clock mark"] = Marks("clock", 1).mark
     if cuda:
+        steps["for scale: the benchmark's clock mark"] = Marks("clock", 1).mark  # between its eager steps
         calibrate(state)
     res, held = {}, True
     for name, step in steps.items():

@@ -6,11 +6,11 @@ than of the Python loop that launches them; host time per call is measured separ
 whose queue ran dry before the host finished (the first timed call had already started) is
 reported as not held. Where launches blocked on a full queue (CUDA lets only some tens of replays
 of NCCL's captured graphs wait in a stream), the steps are queued in chunks that fit, each behind a
-hold of its own (``steps_per_hold``). Two loops: a mark between consecutive steps (median, p10, p90 of the time
-from one mark to the next), then, as nccl-tests does, one pair of events around all steps
-(``loop_us``, the mean per call with nothing between the steps: in graph modes it replays graphs
-captured without the mark); its host time per call (``host_loop_us``) is the launch rate with
-nothing queued between calls.
+hold of its own (``steps_per_hold``). Two loops: a mark between consecutive steps (median, p10,
+p90 of the time from one mark to the next), then, as nccl-tests does, one pair of events around
+all steps (``loop_us``, the mean per call with nothing between the steps: in graph modes it replays
+graphs captured without the mark); its host time per call (``host_loop_us``) is the launch rate
+with nothing queued between calls.
 
 A mark is a one-thread kernel that stores the GPU's clock (``timer="clock"``, the default) or a
 CUDA event (``"events"``). Under MPS on one H200 an event between steps read up to 13 us more per
@@ -151,8 +151,8 @@ def held_steps(state, marks: "Marks", step, steps: int, hold_us: float, mark_eac
 class Marks:
     """Marks between timed steps: ``mark()`` queues the next of ``steps + 1``; ``intervals()`` gives
     the device microseconds between consecutive marks once they have run, and raises unless exactly
-    the expected number ran since ``restart()``. A clock mark takes its slot from a counter on the device,
-    so a CUDA graph may hold it (``capturable``); an event is recorded by the host."""
+    the expected number ran since ``restart()``. A clock mark takes its slot from a counter on the
+    device, so a CUDA graph may hold it (``capturable``); an event is recorded by the host."""
 
     def __init__(self, timer: str, steps: int):
         self.steps, self.capturable, self.count = steps, timer == "clock", 0

@@ -60,7 +60,8 @@ def _replays(state, replay) -> dict:
     torch.cuda.synchronize()
     blocked = [i for i, h in enumerate(host) if h > 1000]
     return dict(first_blocked=blocked[0] if blocked else None, blocked=len(blocked), hold_ended_at=ended,
-                median_us=round(statistics.median(host), 1), max_us=round(max(host)), total_ms=round(sum(host) / 1e3, 1))
+                median_us=round(statistics.median(host), 1), max_us=round(max(host)),
+                total_ms=round(sum(host) / 1e3, 1))
 
 
 def _captured(fn, dot: str):
