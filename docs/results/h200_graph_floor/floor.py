@@ -2,6 +2,8 @@
 no exchange at all, beside one that holds a call. Each rank queues 200 steps behind the benchmark's
 hold and times them with clock marks; per rank the median us per step, then the slowest rank's.
 Run from the repository root under MPS: `PYTHONPATH=. python3 docs/results/h200_graph_floor/floor.py`.
+Its loop is `bench.ranks.held_steps` since e83e230 (run again at 09bc65f:
+`docs/results/h200_mark_launch/floor.log`).
 """
 import statistics
 
