@@ -8,7 +8,8 @@ busbw = algbw * (N - 1) / N.
 Times are device times per call (from one mark between steps to the next: a kernel storing the GPU
 clock, the first node of each graph in graph modes; or ``--timer events``), the slowest rank's
 median, with the calls queued back to back behind a sleeping kernel (``bench.ranks``): ``held``
-says the queue lasted the whole loop. A step's time includes one mark; ``mark`` is a mark's own
+says the queue lasted the whole loop (``yes/k``: launches blocked on a full queue, so the steps went
+in chunks of k, each behind its own sleep). A step's time includes one mark; ``mark`` is a mark's own
 time when launched alone (marks with nothing between them); ``timer`` says which. ``loop`` is
 nccl-tests' time: the mean per call of a second loop with events only at its two ends. ``host`` is
 the host time per call (the slowest rank's median over the timed steps, timed apart from their
