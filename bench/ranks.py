@@ -63,7 +63,7 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
 
 
 def calibrate(state) -> None:
-    """Sleep cycles per microsecond, for ``hold``."""
+    """Sleep cycles per microsecond, for ``_hold``."""
     if "cycles_per_us" in state:
         return
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -253,7 +253,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
     # Every rank holds its queue equally long (the slowest host's estimate), so the ranks start
     # their timed calls together.
     warm_us = max(gather(warm_us))
-    times, host, held, loop, host_loop, chunk = [], [], True, float("nan"), float("nan"), iters
+    times, held, loop, host_loop, chunk = [], True, float("nan"), float("nan"), iters
     if cuda:
         # Held three times the loop's expected host time, longer where that ran dry; the second
         # loop as long as the first's last hold, in the same chunks.
