@@ -22,6 +22,22 @@ def test_bench_cpu_writes_results(tmp_path):
     assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
 
 
+def test_host_time_probe_times_every_step_on_every_rank():
+    proc = subprocess.run([sys.executable, "-m", "bench.host_time", "--world-size", "2", "--batch", "2",
+                           "--head-dim", "64", "--iters", "3"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "median us over 3 calls (the held step: 3;" in lines[0]
+    assert lines[1].split() == ["step", "rank", "0", "rank", "1"]
+    steps = {line[:36].strip(): line[36:].split() for line in lines[2:10]}
+    from bench.host_time import HELD_STEP
+
+    assert {HELD_STEP, "lse_reduce (out= given)", "_validate", "transport.launch"} <= set(steps)
+    assert all(len(v) == 2 and all(float(x) > 0 for x in v) for v in steps.values()), steps
+    assert "ran dry" not in proc.stdout  # on CPU nothing is queued, so nothing is held either
+    assert "function calls" in proc.stdout  # rank 0's profile
+
+
 def test_bench_rejects_sizes_below_one(capsys):
     import pytest
 
