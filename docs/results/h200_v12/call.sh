@@ -9,7 +9,7 @@ export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -
 nvidia-cuda-mps-control -d
 for v in 0 4; do
   echo "== publish variant $v"
-  (cd $S && DCP_SCRATCH_FENCE=$v PYTHONPATH=$S timeout 75 python3 -m bench.trace --world-size 3 6 --batch 1 8 --out $OUT/publish_v$v 2>&1 | tee $OUT/publish_v$v.log | tail -5)
+  (cd $S && DCP_SCRATCH_FENCE=$v PYTHONPATH=$S timeout 60 python3 -m bench.trace --world-size 3 6 --batch 1 8 --out $OUT/publish_v$v 2>&1 | tee $OUT/publish_v$v.log | tail -5)
 done
 echo quit | nvidia-cuda-mps-control
 cd $OUT && tar czf data.tgz results.csv results.json trace.json publish_v* 2>/dev/null && rm -rf results.csv results.json trace.json publish_v* && ls
