@@ -34,7 +34,6 @@ def test_host_time_probe_times_every_step_on_every_rank():
 
     assert {HELD_STEP, "lse_reduce (out= given)", "_validate", "transport.launch"} <= set(steps)
     assert all(len(v) == 2 and all(float(x) > 0 for x in v) for v in steps.values()), steps
-    assert "ran dry" not in proc.stdout  # on CPU nothing is queued, so nothing is held either
     assert "function calls" in proc.stdout  # rank 0's profile
 
 
