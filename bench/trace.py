@@ -9,9 +9,13 @@ exit, next launch; with programmatic launch, until the wait for the previous ker
 pushes up to the last flag published, the wait for the slowest peer to publish, the time from that
 peer's publish until this rank had seen every tile (flag latency), and the combine. ``wait`` is
 the peer wait and the flag latency together (this rank's last publish until it had seen every
-tile): it needs no clock shared by the ranks, so with ranks on several GPUs (a clock each) read it,
-the gap, the push, the combine and the period, not the peer wait and flag columns. The table
-gives medians over the calls after the first of each graph and over ranks.
+tile). ``spread`` is how far apart the ranks started the call (the last rank's start minus the
+first's): in graphs of one call it shows how long the ranks' graph launches keep the call waiting.
+``wait`` needs no clock shared by the ranks, so with ranks on several GPUs (a clock each) read it,
+the gap, the push, the combine and the period, not the peer wait, flag and spread columns. The
+table gives medians over the calls after the first of each graph and over ranks (with
+``--calls 1``, over every call: each is the first of its graph, and ``gap`` is then the first
+call's gap).
 The trace costs a few timer reads and stores per program: times run slightly above the untraced
 benchmark's.
 """
@@ -29,7 +33,7 @@ from dcp import DcpAllToAll
 from dcp.reference import make_inputs
 from dcp.spawn import World
 
-PHASES = ("period", "gap", "push", "peer_wait", "flag", "wait", "combine")
+PHASES = ("period", "gap", "push", "peer_wait", "flag", "wait", "combine", "spread")
 HEADS_PER_RANK = 16
 
 
@@ -62,8 +66,9 @@ def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_war
 
 
 def phases(per_rank: list, calls: int) -> dict:
-    """Median of each phase (ns) over ranks and over the calls that are not first in their graph."""
-    recs = np.stack(per_rank)  # [ranks, calls, programs, 6]
+    """Median of each phase (ns) over ranks and over the calls that are not first in their graph
+    (over every call in graphs of one call)."""
+    recs = np.stack(per_rank)  # [ranks, calls, programs, 5]
     used = recs[..., 1] > 0
     big = np.iinfo(np.int64).max
     start = np.where(used, recs[..., 1], big).min(-1)
@@ -78,11 +83,13 @@ def phases(per_rank: list, calls: int) -> dict:
         "flag": arrived - np.maximum(pushed, slowest_push),
         "wait": arrived - pushed,
         "combine": combined - arrived,
+        "spread": start.max(0, keepdims=True) - start.min(0, keepdims=True),
     }
-    inner = (np.arange(recs.shape[1]) % calls) != 0  # calls after the first of their graph
+    first = (np.arange(recs.shape[1]) % calls) == 0  # first calls of their graph
+    inner = ~first if calls > 1 else first
     med = lambda v: float(np.median(v)) if v.size else float("nan")
     res = {k: med(v[:, inner[1:] if v.shape[1] < recs.shape[1] else inner]) for k, v in out.items()}
-    res["first_call_gap"] = med(out["gap"][:, ~inner[1:]])
+    res["first_call_gap"] = med(out["gap"][:, first[1:]])
     res["programs"] = int(used[0, -1].sum())
     stamps = np.unique(recs[..., 1:][recs[..., 1:] > 0])
     res["timer_step"] = float(np.diff(stamps).min()) if len(stamps) > 1 else float("nan")

@@ -98,27 +98,42 @@ def test_clock_kernel_stores_increasing_times():
     assert (taken.diff() > 0).all() and before <= taken[0] and taken[-1] <= after
 
 
-def test_trace_phases_of_known_records():
-    """``bench.trace.phases`` on records whose phases are known: two ranks, four calls as two
-    graphs of two, two programs (a third slot unused); the first call of each graph is left out."""
+def _known_trace_records() -> list:
+    """Two ranks, four calls (the last two 500 ns late), two programs (a third slot unused)."""
     import numpy as np
-
-    from bench.trace import phases
 
     per_rank = []
     for r in range(2):
         recs = np.zeros((4, 3, 5), dtype=np.int64)
         for c in range(4):
-            # A stamp of 0 marks a program that did not run; the second graph starts 500 ns late.
+            # A stamp of 0 marks a program that did not run; rank 1 starts 10 ns after rank 0.
             t0 = 10 ** 6 + 1000 * c + (500 if c >= 2 else 0)
             start, pushed = t0 + 10 * r, t0 + 10 * r + 100 + 20 * r  # rank 1 pushes last, at +130
             arrived, combined = t0 + 160, t0 + 210
             recs[c, 0] = (c + 1, start, pushed, arrived, combined)
             recs[c, 1] = (c + 1, start + 5, pushed - 7, arrived - 3, combined - 1)  # never the first or last
         per_rank.append(recs)
-    split = phases(per_rank, calls=2)
-    want = dict(period=1000, gap=795, push=110, peer_wait=15, flag=30, wait=45, combine=50,
+    return per_rank
+
+
+def test_trace_phases_of_known_records():
+    """``bench.trace.phases`` on records whose phases are known, as two graphs of two calls: the
+    first call of each graph is left out."""
+    from bench.trace import phases
+
+    split = phases(_known_trace_records(), calls=2)
+    want = dict(period=1000, gap=795, push=110, peer_wait=15, flag=30, wait=45, combine=50, spread=10,
                 first_call_gap=1295, programs=2, timer_step=1)
+    assert split == want
+
+
+def test_trace_phases_of_graphs_of_one_call():
+    """In graphs of one call every call is the first of its graph: all of them count."""
+    from bench.trace import phases
+
+    split = phases(_known_trace_records(), calls=1)
+    want = dict(period=1000, gap=800, push=110, peer_wait=15, flag=30, wait=45, combine=50, spread=10,
+                first_call_gap=800, programs=2, timer_step=1)
     assert split == want
 
 
