@@ -1,11 +1,13 @@
 """Probe (session of d800eae): what one step costs N ranks sharing one GPU under MPS when it holds
 no exchange at all, beside one that holds a call. Each rank queues 200 steps behind the benchmark's
 hold and times them with clock marks; per rank the median us per step, then the slowest rank's.
-Run from the repository root under MPS: `PYTHONPATH=. python3 docs/results/h200_graph_floor/floor.py`.
+Run from the repository root under MPS: `PYTHONPATH=. python3 docs/results/h200_graph_floor/floor.py
+[N ...]` (default N = 1 2 3 6).
 Its loop is `bench.ranks.held_steps` since e83e230 (run again at 09bc65f:
 `docs/results/h200_mark_launch/floor.log`).
 """
 import statistics
+import sys
 
 import torch
 
@@ -61,8 +63,9 @@ def probe(state, n: int) -> dict:
 
 
 if __name__ == "__main__":
+    sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3, 6]
     table = {}
-    for n in (1, 2, 3, 6):
+    for n in sizes:
         w = World(n, "cuda")
         try:
             for r, res in enumerate(w.run(probe, n, timeout=300)):
@@ -73,6 +76,6 @@ if __name__ == "__main__":
         finally:
             w.close()
     print("median us per step, slowest rank (nan: a queue did not hold)")
-    print(f"{'step':42s}" + "".join(f"{'N=' + str(n):>8s}" for n in (1, 2, 3, 6)))
+    print(f"{'step':42s}" + "".join(f"{'N=' + str(n):>8s}" for n in sizes))
     for k, row in table.items():
-        print(f"{k:42s}" + "".join(f"{row.get(n, float('nan')):8.2f}" for n in (1, 2, 3, 6)))
+        print(f"{k:42s}" + "".join(f"{row.get(n, float('nan')):8.2f}" for n in sizes))
