@@ -1,6 +1,7 @@
 """Where the time of a lock-step call goes, from timestamps the kernel takes itself.
 
-    python -m bench.trace [--world-size 3 6] [--batch 1 8 64 512] [--head-dim 512] [--calls 8]
+    python -m bench.trace [--world-size 3 6] [--batch 1 8 64 512] [--head-dim 512] [--heads-per-rank 16]
+                          [--calls 8]
 
 Every rank replays a CUDA graph of ``--calls`` calls (like a model's layers) with the trace compiled
 in (``DCP_A2A_TRACE=1``). Device times (``%globaltimer``, one clock for all ranks of one GPU) split
@@ -34,17 +35,16 @@ from dcp.reference import make_inputs
 from dcp.spawn import World
 
 PHASES = ("period", "gap", "push", "peer_wait", "flag", "wait", "combine", "spread")
-HEADS_PER_RANK = 16
 
 
-def traced_calls(state, B: int, head_dim: int, calls: int, replays: int, num_warps) -> tuple:
+def traced_calls(state, B: int, heads_per_rank: int, head_dim: int, calls: int, replays: int, num_warps) -> tuple:
     """Rank side: replay the graph; returns its calls' records, int64 [replays * calls, programs, 5],
     and the warps per program of its tiling."""
     os.environ["DCP_A2A_TRACE"] = "1"
     n, rank = dist.get_world_size(), dist.get_rank()
     if "comm" in state:
         state.pop("comm").close()
-    comm = state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=HEADS_PER_RANK * n,
+    comm = state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=heads_per_rank * n,
                                        head_dim=head_dim, dtype=torch.bfloat16, backend="triton",
                                        num_warps=num_warps)
     outs, lses = make_inputs(B, n, B, comm.num_heads, head_dim, comm.dtype)
@@ -101,6 +101,7 @@ def main(argv=None) -> None:
     p.add_argument("--world-size", type=int, nargs="+", default=[3, 6])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 512])
     p.add_argument("--head-dim", type=int, default=512)
+    p.add_argument("--heads-per-rank", type=int, default=16)
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--num-warps", type=int, default=None, help="fixed warps per program (default: by size)")
@@ -115,12 +116,15 @@ def main(argv=None) -> None:
         w = World(n, "cuda", pg_backend="gloo")
         try:
             for B in args.batch:
-                res = w.run(traced_calls, B, args.head_dim, args.calls, args.replays, args.num_warps, timeout=300)
-                rows.append(dict(world=n, B=B, head_dim=args.head_dim, num_warps=res[0][1],
+                res = w.run(traced_calls, B, args.heads_per_rank, args.head_dim, args.calls, args.replays,
+                            args.num_warps, timeout=300)
+                rows.append(dict(world=n, B=B, heads_per_rank=args.heads_per_rank, head_dim=args.head_dim,
+                                 num_warps=res[0][1],
                                  **phases([recs for recs, _ in res], args.calls)))
         finally:
             w.close()
-    print("median us per call (graph of %d calls, D = %d)" % (args.calls, args.head_dim))
+    print("median us per call (graph of %d calls, %d heads per rank, D = %d)"
+          % (args.calls, args.heads_per_rank, args.head_dim))
     print(f"{'N':>2} {'B':>4} {'warps':>5} {'progs':>5} " + " ".join(f"{k:>9}" for k in PHASES)
           + f" {'1st gap':>8} {'tick':>5}")
     for r in rows:
