@@ -16,7 +16,7 @@ from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TRACE_CA
                      build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
-from dcp.protocol import ChannelLayout, raise_status, status_words
+from dcp.protocol import SMALL_CALL_WARPS, ChannelLayout, raise_status, status_words
 
 _LOG2E = 1.4426950408889634
 _data_ptr = torch.Tensor.data_ptr
@@ -189,7 +189,8 @@ class NcclTransport:
                  channels: int):
         self.group, self.layout, self.device = group, layout, device
         kernels = build_kernels(interpret=device.type == "cpu")
-        self.warps = warps = layout.warps_for(1)  # one tiling: these kernels never wait, so size matters less
+        # One tiling: these kernels never wait, so size matters less.
+        self.warps = warps = layout.num_warps or SMALL_CALL_WARPS
         self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16

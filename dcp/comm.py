@@ -69,8 +69,9 @@ class DcpAllToAll:
     nccl, decided by all ranks together). ``None`` reads ``DCP_A2A_BACKEND`` (default ``auto``).
 
     ``max_programs`` (default: the device's SMs over its ranks and the channels) sizes the
-    kernel's grid; ``num_warps`` fixes the warps per program (default: 8 below 128 tokens per
-    launch, 16 from there). ``pdl`` (default: on where the GPU has it, compute capability 9.0 and
+    kernel's grid; ``num_warps`` fixes the warps per program (default: below 128 tokens per launch,
+    the fewest of 1, 2, 4 whose smaller tiles the grid of every rank covers in one round, else 8;
+    16 from 128 tokens). ``pdl`` (default: on where the GPU has it, compute capability 9.0 and
     up) launches calls below 128 tokens (all calls when ``num_warps`` is set) with programmatic
     dependent launch: their programs are scheduled while the previous kernel of the stream
     finishes, and wait for it on the device.
@@ -97,7 +98,7 @@ class DcpAllToAll:
         self.check_calls = bool(check) if check is not None else (env_check or self.device.type == "cpu")
         self._closed = True
 
-        self.num_warps = num_warps
+        self.num_warps, self.max_programs = num_warps, max_programs
         self._has_pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0)
         self.pdl = self._has_pdl if pdl is None else pdl
         self.tracing = os.environ.get("DCP_A2A_TRACE", "0") not in ("", "0")
@@ -109,8 +110,10 @@ class DcpAllToAll:
             raise DcpError("ranks disagree on the DcpAllToAll geometry (max_tokens, num_heads, head_dim, "
                            f"dtype, channels, world, backend, num_warps): {[f[0] for f in facts]}")
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
-        self.layout = ChannelLayout(self.world, self.heads_per_rank, head_dim, max_tokens, num_warps)
         self.max_programs = max_programs or self._default_programs()
+        # Every rank must tile a call alike: small calls' tiles are sized by the smallest grid.
+        self.layout = ChannelLayout(self.world, self.heads_per_rank, head_dim, max_tokens, num_warps,
+                                    programs=min(all_gather(group, self.max_programs)))
         self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         self._ready: set = set()
         self._transport = self._select(requested, [f[2].split("/")[0] for f in facts], [f[3] for f in facts])
@@ -153,6 +156,8 @@ class DcpAllToAll:
             return f"channels must be a positive integer; got {self.channels}"
         if self.device.type not in ("cuda", "cpu"):
             return f"device must be cuda or cpu; got {self.device}"
+        if self.max_programs is not None and (type(self.max_programs) is not int or self.max_programs < 1):
+            return f"max_programs must be None or a positive integer; got {self.max_programs!r}"
         if self.num_warps not in (None, 1, 2, 4, 8, 16):
             return f"num_warps must be None or a power of two from 1 to 16; got {self.num_warps!r}"
         if self.pdl not in (False, True):

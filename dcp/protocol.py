@@ -14,9 +14,11 @@ from kernels import STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS
 from dcp.errors import DcpMismatchError, DcpTimeoutError
 
 STATE_BYTES = 64  # the epoch word, local to the rank
-# Warps per program by call size (docs/NOTES.md, one H200): with 8, small calls spread over more
-# programs; with 16, large calls take half as many tile steps per program.
+# Warps per program by call size (docs/NOTES.md, H200s): a small call takes the fewest warps, so the
+# fewest rows per tile, whose tiles the grid covers in one round, spreading its bytes and fences
+# over more SMs; 8 where none does; large calls take 16, half as many tile steps per program.
 SMALL_CALL_WARPS, LARGE_CALL_WARPS, LARGE_CALL_TOKENS = 8, 16, 128
+_FEWER_WARPS = (1, 2, 4)
 ALIGN = 256
 
 
@@ -33,9 +35,11 @@ class ChannelLayout:
     """Byte layout of one channel's symmetric region (identical on every rank).
 
     Its sizes are computed once: the call path reads them on every launch. A call's tiling (warps
-    per program, rows per tile) depends on its size, unless ``num_warps`` fixes it; the flags are
-    sized for the smallest tiles. Tile t means different rows under different tilings, which is
-    harmless: a flag names its call by epoch, and every rank tiles a call alike.
+    per program, rows per tile) depends on its size, unless ``num_warps`` fixes it, and on
+    ``programs``, the grid that every rank of the group keeps resident (the smallest over the
+    ranks, so that every rank tiles a call alike); the flags are sized for the most tiles of any
+    launch. Tile t means different rows under different tilings, which is harmless: a flag names
+    its call by epoch.
     """
 
     world: int
@@ -43,6 +47,7 @@ class ChannelLayout:
     head_dim: int
     max_tokens: int
     num_warps: Optional[int] = None
+    programs: int = 1
 
     @cached_property
     def padded_dim(self) -> int:  # power-of-two block width over the head dim
@@ -60,31 +65,38 @@ class ChannelLayout:
     def padded_peers(self) -> int:  # a tile holds the rows of every peer: a power of two of them
         return _next_pow2(self.world)
 
+    def rows_per_tile(self, warps: int) -> int:
+        """Rows of a tile under ``warps`` per program: [peers, rows, D] blocks of 2048 values a warp."""
+        return max(1, min(64, 2048 * warps // (self.padded_peers * self.padded_dim), _next_pow2(self.rows_max)))
+
     def warps_for(self, n_tokens: int) -> int:
         if self.num_warps:
             return self.num_warps
-        return LARGE_CALL_WARPS if n_tokens >= LARGE_CALL_TOKENS else SMALL_CALL_WARPS
+        if n_tokens >= LARGE_CALL_TOKENS:
+            return LARGE_CALL_WARPS
+        for w in _FEWER_WARPS:
+            # (a warp count whose tiles are no smaller than twice as many warps' only thins the threads)
+            if self.rows_per_tile(w) < self.rows_per_tile(2 * w) and self.tiles(n_tokens, w) <= self.programs:
+                return w
+        return SMALL_CALL_WARPS
 
     def launches_early(self, warps: int) -> bool:
         """Whether a tiling's calls use programmatic dependent launch (where it is on): only the
         small calls' (16-warp calls lost 5.6% with it at N = 6, B = 512 on one H200)."""
-        return warps == self.warps_for(1)
+        return self.num_warps is not None or warps < LARGE_CALL_WARPS
 
     @cached_property
     def tilings(self) -> dict:
-        """Warps -> rows per tile ([peers, rows, D] blocks of 2048 values per warp), for every
-        tiling a call of up to max_tokens may use."""
-        sizes = {self.warps_for(1), self.warps_for(self.max_tokens)}
-        return {w: max(1, min(64, 2048 * w // (self.padded_peers * self.padded_dim), _next_pow2(self.rows_max)))
-                for w in sizes}
+        """Warps -> rows per tile, for every tiling a call of up to max_tokens may use."""
+        return {w: self.rows_per_tile(w) for w in sorted({self.warps_for(n) for n in range(1, self.max_tokens + 1)})}
 
     def tiles(self, n_tokens: int, warps: int) -> int:
         """Tiles of a call of ``n_tokens`` under the tiling of ``warps``."""
-        return -(-n_tokens * self.heads_per_rank // self.tilings[warps])
+        return -(-n_tokens * self.heads_per_rank // self.rows_per_tile(warps))
 
     @cached_property
-    def tiles_max(self) -> int:  # the most tiles a launch can have (its smallest tiles): they size the flags
-        return max(self.tiles(self.max_tokens, w) for w in self.tilings)
+    def tiles_max(self) -> int:  # the most tiles a launch can have: they size the flags
+        return max(self.tiles(n, self.warps_for(n)) for n in range(1, self.max_tokens + 1))
 
     @cached_property
     def flag_offset(self) -> int:
@@ -101,7 +113,7 @@ class ChannelLayout:
     def tile_constexprs(self, warps: int) -> dict:
         """The geometry of one tiling: all that the NCCL path's kernels take."""
         return dict(N=self.world, NP=self.padded_peers, HN=self.heads_per_rank, D=self.head_dim,
-                    DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.tilings[warps])
+                    DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.rows_per_tile(warps))
 
     def constexprs(self, warps: int) -> dict:
         """The fused kernel's geometry for one tiling."""

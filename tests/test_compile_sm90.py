@@ -45,7 +45,8 @@ def _spill_bytes(ptx: str, tmp_path) -> int:
 
 
 @pytest.mark.parametrize("lse_ty,scope,warps,pdl", [("fp32", "sys", 8, False), ("bf16", "sys", 8, True),
-                                                    ("fp32", "gpu", 8, True), ("fp32", "gpu", 16, False)])
+                                                    ("fp32", "gpu", 8, True), ("fp32", "gpu", 16, False),
+                                                    ("fp32", "sys", 2, True), ("bf16", "gpu", 4, True)])
 def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope, warps, pdl, tmp_path):
     lay = ChannelLayout(world=6, heads_per_rank=16, head_dim=512, max_tokens=512)
     assert set(lay.tilings) == {8, 16}

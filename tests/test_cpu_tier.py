@@ -38,29 +38,60 @@ def test_lse_reduce_matches_reference(worlds, n):
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
 
 
+def test_small_calls_take_the_smallest_tiles_one_round_of_the_grid_covers():
+    """The tiling rule, at the shapes measured on H200s (docs/NOTES.md, item 44): a small call takes
+    the fewest warps (and so the fewest rows per tile) whose tiles the grid covers in one round, a
+    warp count being skipped where it gives no fewer rows than twice as many; otherwise 8 warps."""
+    def warps(world, programs, sizes, **kw):
+        lay = ChannelLayout(world=world, heads_per_rank=16, head_dim=512, max_tokens=512, programs=programs, **kw)
+        return [lay.warps_for(n) for n in sizes]
+
+    assert warps(2, 132, [1, 16, 17, 33, 34, 66, 67, 127, 128]) == [1, 1, 2, 2, 4, 4, 8, 8, 16]
+    assert warps(3, 44, [1, 2, 4, 8, 11, 12, 32, 127]) == [1, 1, 2, 4, 4, 8, 8, 8]
+    assert warps(6, 22, [1, 2, 4, 8]) == [2, 4, 8, 8]  # one warp would hold one row, as two do
+    assert warps(6, 1, [1, 64]) == [8, 8]  # no tiling fits: the default
+    assert warps(2, 132, [1, 512], num_warps=4) == [4, 4]
+    lay = ChannelLayout(world=2, heads_per_rank=16, head_dim=512, max_tokens=512, programs=132)
+    assert lay.tilings == {1: 2, 2: 4, 4: 8, 8: 16, 16: 32}
+    # every launch's tiles fit the flags, and the flags are sized by the most tiles of any launch
+    assert lay.tiles_max == max(lay.tiles(n, lay.warps_for(n)) for n in range(1, 513)) == 256
+    assert [lay.launches_early(w) for w in sorted(lay.tilings)] == [True] * 4 + [False]
+    assert ChannelLayout(3, 1, 128, 512, num_warps=16).launches_early(16)
+
+
 def test_small_and_large_call_tilings_alternate(worlds):
-    """Calls from LARGE_CALL_TOKENS up run with larger tiles than smaller ones; consecutive calls of
-    either kind (and the chunks of one call) share the slots and flags."""
+    """Small calls take small tiles, calls from LARGE_CALL_TOKENS up larger ones; consecutive calls
+    of any tiling (and the chunks of one call) share the slots and flags."""
     w = worlds(3)
     seed = fresh_seed()
     w.run(rc.make_comm, "tiles", max_tokens=LARGE_CALL_TOKENS + 8, num_heads=3, head_dim=128)
-    lay = ChannelLayout(world=3, heads_per_rank=1, head_dim=128, max_tokens=LARGE_CALL_TOKENS + 8)
-    assert len(set(lay.tilings.values())) == 2
-    # programmatic launch (GPU only) for the small calls' tiling, or for the one a user fixes
-    assert [lay.launches_early(w) for w in sorted(lay.tilings)] == [True, False]
-    assert ChannelLayout(3, 1, 128, 512, num_warps=16).launches_early(16)
-    # what the communicator reports for each size (interpreted: no programmatic launch); a chunked
-    # call runs in launches of max_tokens
-    got = w.run(rc.tilings, "tiles", [1, LARGE_CALL_TOKENS - 1, LARGE_CALL_TOKENS, 10 ** 6, 0])
-    assert got == [[(8, False), (8, False), (16, False), (16, False),
+    # what the communicator reports for each size (the CPU runs 4 programs; interpreted: no
+    # programmatic launch); a chunked call runs in launches of max_tokens
+    got = w.run(rc.tilings, "tiles", [1, 5, 17, 40, LARGE_CALL_TOKENS - 1, LARGE_CALL_TOKENS, 10 ** 6, 0])
+    assert got == [[(1, False), (1, False), (2, False), (4, False), (8, False), (16, False), (16, False),
                     "n_tokens: expected a positive integer, got 0"]] * 3
     w.run(rc.make_comm, "nccl", max_tokens=LARGE_CALL_TOKENS + 8, num_heads=3, head_dim=128, backend="nccl")
     assert w.run(rc.tilings, "nccl", [1, LARGE_CALL_TOKENS]) == [[(8, False)] * 2] * 3  # one tiling
     w.run(rc.close_comm, "nccl")
-    sizes = [LARGE_CALL_TOKENS, 5, LARGE_CALL_TOKENS + 8, 2 * LARGE_CALL_TOKENS + 30, 1]  # the fourth is chunked
+    sizes = [LARGE_CALL_TOKENS, 5, LARGE_CALL_TOKENS + 8, 17, 2 * LARGE_CALL_TOKENS + 30, 1, 40]  # the fifth is chunked
     for i, B in enumerate(sizes):
         w.run(rc.lse_case, "tiles", seed + i, B=B, use_out=True, special=i % 2 == 0)
     w.run(rc.close_comm, "tiles")
+
+
+def test_ranks_with_different_grids_tile_calls_alike(worlds):
+    """Each rank may run its own grid (``max_programs``), but small calls' tiles are sized by the
+    smallest of them, so every rank numbers a call's tiles alike and the calls still match."""
+    w = worlds(3)
+    for r in range(3):  # rank-dependent max_programs: sent separately to each rank
+        w.conns[r].send((rc.make_comm.__module__, "make_comm", ("grids",),
+                         dict(max_tokens=24, num_heads=3, head_dim=128, max_programs=1 + 2 * r)))
+    w._collect(range(3), 120)
+    assert w.run(rc.tilings, "grids", [1, 5, 17]) == [[(1, False), (2, False), (8, False)]] * 3
+    seed = fresh_seed()
+    for i, B in enumerate([5, 1, 17]):
+        w.run(rc.lse_case, "grids", seed + i, B=B, use_out=True)
+    w.run(rc.close_comm, "grids")
 
 
 def test_bad_calls_raise_clear_errors(worlds):
@@ -79,6 +110,7 @@ def test_bad_calls_raise_clear_errors(worlds):
     (dict(max_tokens=2, num_heads=6, head_dim=2048), "head_dim"),
     (dict(max_tokens=0, num_heads=6, head_dim=16), "max_tokens"),
     (dict(max_tokens=2, num_heads=6, head_dim=16, num_warps=3), "num_warps"),
+    (dict(max_tokens=2, num_heads=6, head_dim=16, max_programs=0), "max_programs"),
     (dict(max_tokens=2, num_heads=6, head_dim=16, pdl=True), "pdl"),  # CPU: no programmatic launch
 ])
 def test_bad_geometry_fails_on_every_rank(worlds, kwargs, needle):
@@ -109,8 +141,8 @@ def test_trace_records_every_call_in_order(worlds):
 
     calls, B = 5, 40
     recs = worlds(3).run(rc.traced_calls, fresh_seed(), B=B, calls=calls)
-    lay = ChannelLayout(world=3, heads_per_rank=2, head_dim=16, max_tokens=B)
-    programs = min(lay.tiles(B, lay.warps_for(B)), 4)  # tiles, at most the CPU's 4 programs
+    lay = ChannelLayout(world=3, heads_per_rank=2, head_dim=16, max_tokens=B, programs=4)  # the CPU's grid
+    programs = min(lay.tiles(B, lay.warps_for(B)), 4)  # tiles, at most the grid
     assert programs > 1
     for r in recs:
         assert r.shape[0] == calls and list(r[:, 0, 0]) == list(range(1, calls + 1))
