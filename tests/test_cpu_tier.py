@@ -67,13 +67,14 @@ def test_small_and_large_call_tilings_alternate(worlds):
     w.run(rc.make_comm, "tiles", max_tokens=LARGE_CALL_TOKENS + 8, num_heads=3, head_dim=128)
     # what the communicator reports for each size (the CPU runs 4 programs; interpreted: no
     # programmatic launch); a chunked call runs in launches of max_tokens
-    got = w.run(rc.tilings, "tiles", [1, 5, 17, 40, LARGE_CALL_TOKENS - 1, LARGE_CALL_TOKENS, 10 ** 6, 0])
+    got = w.run(rc.tilings, "tiles", [1, 5, 17, 40, 100, LARGE_CALL_TOKENS, 10 ** 6, 0])
     assert got == [[(1, False), (1, False), (2, False), (4, False), (8, False), (16, False), (16, False),
                     "n_tokens: expected a positive integer, got 0"]] * 3
     w.run(rc.make_comm, "nccl", max_tokens=LARGE_CALL_TOKENS + 8, num_heads=3, head_dim=128, backend="nccl")
     assert w.run(rc.tilings, "nccl", [1, LARGE_CALL_TOKENS]) == [[(8, False)] * 2] * 3  # one tiling
     w.run(rc.close_comm, "nccl")
-    sizes = [LARGE_CALL_TOKENS, 5, LARGE_CALL_TOKENS + 8, 17, 2 * LARGE_CALL_TOKENS + 30, 1, 40]  # the fifth is chunked
+    # tilings 16, 1, 16, 2, 16 (chunks of max_tokens, then 14 tokens: 1), 1, 4, 8
+    sizes = [LARGE_CALL_TOKENS, 5, LARGE_CALL_TOKENS + 8, 17, 2 * LARGE_CALL_TOKENS + 30, 1, 40, 100]
     for i, B in enumerate(sizes):
         w.run(rc.lse_case, "tiles", seed + i, B=B, use_out=True, special=i % 2 == 0)
     w.run(rc.close_comm, "tiles")
