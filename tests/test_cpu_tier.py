@@ -39,9 +39,9 @@ def test_lse_reduce_matches_reference(worlds, n):
 
 
 def test_small_calls_take_the_smallest_tiles_one_round_of_the_grid_covers():
-    """The tiling rule, at the shapes measured on H200s (docs/NOTES.md, item 44): a small call takes
-    the fewest warps (and so the fewest rows per tile) whose tiles the grid covers in one round, a
-    warp count being skipped where it gives no fewer rows than twice as many; otherwise 8 warps."""
+    """The tiling rule, at the shapes measured on H200s (docs/NOTES.md, items 45 and 46): a small
+    call takes the fewest warps (and so the fewest rows per tile) whose tiles the grid covers in one
+    round, a warp count being skipped where it gives no fewer rows than twice as many; else 8."""
     def warps(world, programs, sizes, **kw):
         lay = ChannelLayout(world=world, heads_per_rank=16, head_dim=512, max_tokens=512, programs=programs, **kw)
         return [lay.warps_for(n) for n in sizes]
