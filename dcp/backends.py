@@ -93,10 +93,8 @@ class TritonTransport:
                                    dict(num_warps=w, launch_pdl=early[w])) for w in layout.tilings}
         # By call size (index B - 1 for B = 1 to max_tokens): its tiling's launcher and its grid,
         # at most ``max_programs`` (all of them resident at once) and never more than tiles.
-        self.plan = []
-        for n in range(1, layout.max_tokens + 1):
-            w = layout.warps_for(n)
-            self.plan.append((self.fused[w], min(layout.tiles(n, w), max_programs, EPOCH_STRIDE)))
+        self.plan = [(self.fused[w], min(layout.tiles(n, w), max_programs, EPOCH_STRIDE))
+                     for n, w in enumerate(layout.warps_by_size, 1)]
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []

@@ -86,9 +86,14 @@ class ChannelLayout:
         return self.num_warps is not None or warps < LARGE_CALL_WARPS
 
     @cached_property
+    def warps_by_size(self) -> tuple:
+        """``warps_for(n)`` of every call size n from 1 to max_tokens (index n - 1)."""
+        return tuple(self.warps_for(n) for n in range(1, self.max_tokens + 1))
+
+    @cached_property
     def tilings(self) -> dict:
         """Warps -> rows per tile, for every tiling a call of up to max_tokens may use."""
-        return {w: self.rows_per_tile(w) for w in sorted({self.warps_for(n) for n in range(1, self.max_tokens + 1)})}
+        return {w: self.rows_per_tile(w) for w in sorted(set(self.warps_by_size))}
 
     def tiles(self, n_tokens: int, warps: int) -> int:
         """Tiles of a call of ``n_tokens`` under the tiling of ``warps``."""
@@ -96,7 +101,7 @@ class ChannelLayout:
 
     @cached_property
     def tiles_max(self) -> int:  # the most tiles a launch can have: they size the flags
-        return max(self.tiles(n, self.warps_for(n)) for n in range(1, self.max_tokens + 1))
+        return max(self.tiles(n, w) for n, w in enumerate(self.warps_by_size, 1))
 
     @cached_property
     def flag_offset(self) -> int:
