@@ -11,7 +11,7 @@ export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -
 nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
-python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA -s --timeout 900 ${PYTEST_ARGS:-} 2>&1 \
+python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA -s --timeout 900 --durations=25 ${PYTEST_ARGS:-} 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^soak|Error:|assert" | tail -40
 python3 -m bench.host_time 2>&1 | tee "$OUT/host_time.log" | sed -n 1,9p
 python3 -m bench.trace --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -10

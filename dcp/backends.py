@@ -91,6 +91,7 @@ class TritonTransport:
         self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace,
                                                         PDL=early[w]),
                                    dict(num_warps=w, launch_pdl=early[w])) for w in layout.tilings}
+        self.tilings = tuple(self.fused)
         # By call size (index B - 1 for B = 1 to max_tokens): its tiling's launcher and its grid,
         # at most ``max_programs`` (all of them resident at once) and never more than tiles.
         self.plan = [(self.fused[w], min(layout.tiles(n, w), max_programs, EPOCH_STRIDE))
@@ -134,10 +135,12 @@ class TritonTransport:
         options = self.plan[n_tokens - 1][0].options
         return options["num_warps"], options["launch_pdl"]
 
-    def load(self, variant, strides, po, lse, y, y_lse) -> None:
-        """Compile and load a variant in every tiling, with launches that touch nothing (B = 0)."""
-        for fused in self.fused.values():
-            self.launch(variant, strides, po, lse, y, y_lse, 0, 0, False, True, (fused, 1))
+    def load(self, variant, strides, po, lse, y, y_lse, tilings=None) -> None:
+        """Compile and load a variant in each tiling (default: all), with launches that touch nothing
+        (B = 0). CPU tensors are interpreted: nothing to load."""
+        if self.device.type == "cuda":
+            for w in tilings or self.tilings:
+                self.launch(variant, strides, po, lse, y, y_lse, 0, 0, False, True, (self.fused[w], 1))
 
     def trace_records(self, channel: int) -> torch.Tensor:
         """The traced calls' records, by epoch: int64 [calls, programs, TRACE_WORDS]."""
@@ -189,6 +192,7 @@ class NcclTransport:
         kernels = build_kernels(interpret=device.type == "cpu")
         # One tiling: these kernels never wait, so size matters less.
         self.warps = warps = layout.num_warps or SMALL_CALL_WARPS
+        self.tilings = (warps,)
         self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
@@ -211,9 +215,11 @@ class NcclTransport:
     def tiling(self, n_tokens: int) -> tuple:
         return self.warps, False
 
-    def load(self, variant, strides, po, lse, y, y_lse) -> None:
-        """Compile and load a variant with launches of no rows (and no exchange)."""
-        self.launch(variant, strides, po, lse, y, y_lse, 0, 0, False, True)
+    def load(self, variant, strides, po, lse, y, y_lse, tilings=None) -> None:
+        """Compile and load a variant with launches of no rows (and no exchange), in the one tiling
+        there is (``tilings``: None or ``self.tilings``). CPU tensors are interpreted: nothing to load."""
+        if self.device.type == "cuda":
+            self.launch(variant, strides, po, lse, y, y_lse, 0, 0, False, True)
 
     def check(self, channels: int) -> None:
         pass  # NCCL reports its own failures

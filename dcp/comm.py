@@ -120,7 +120,12 @@ class DcpAllToAll:
         self.backend: str = self._transport.name
         self.provider: str = self._transport.provider
         self._closed = False
-        self.warmup()
+        try:
+            self._compile_shared()
+            self.warmup()
+        except BaseException:
+            self.close()
+            raise
 
     # --- setup ---------------------------------------------------------------------------------
     def _resolve_device(self, device) -> torch.device:
@@ -267,11 +272,35 @@ class DcpAllToAll:
             lse = partial_lse if partial_lse is not None else self._lse_scratch
             self._load(partial_out, lse, y)
             return
+        po, y, lses = self._examples()
+        for lse in lses:
+            self._load(po, lse, y)
+
+    def _examples(self) -> tuple:
+        """A call of one token in the well-aligned layout: ``partial_out``, ``out`` and one
+        ``partial_lse`` per accepted LSE dtype."""
         po = torch.empty((1, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device)
         y = torch.empty((1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
-        for lse_dtype in LSE_DTYPES:
-            lse = torch.empty((1, self.num_heads), dtype=lse_dtype, device=self.device)
-            self._load(po, lse, y)
+        return po, y, [torch.empty((1, self.num_heads), dtype=t, device=self.device) for t in LSE_DTYPES]
+
+    def _compile_shared(self) -> None:
+        """Collective: compile the constructor's variants once per host, not once per rank.
+
+        Triton keeps what it compiles in an on-disk cache that the ranks of a host share: each rank
+        first compiles and loads its share of the (LSE dtype, tiling) pairs, and once all ranks
+        have, ``warmup()`` finds the others' in the cache. A rank that fails makes every rank raise.
+        """
+        po, y, lses = self._examples()
+        jobs = [(lse, w) for lse in lses for w in self._transport.tilings]
+        error = None
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # as in _load
+            for lse, w in jobs[self.rank::self.world]:
+                self._transport.load(*self._operands(po, lse, y, None), po, lse, y, self._lse_scratch, (w,))
+        except Exception as exc:  # reported to every rank by agree()
+            error = f"{type(exc).__name__}: {exc}"
+        agree(self.group, error, "compiling the kernels")
 
     def _load(self, po, lse, y, operands: Optional[tuple] = None) -> None:
         key, strides = operands or self._operands(po, lse, y, None)

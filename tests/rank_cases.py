@@ -171,6 +171,31 @@ def construct_expect_error(state, device: str = "cpu", **kwargs) -> str:
     raise AssertionError("construction succeeded but should have failed")
 
 
+def construct_recording_compiles(state, fail_rank: int = -1, device: str = "cpu", **kwargs):
+    """Construct with this rank's ``TritonTransport.load`` recorded (and raising on ``fail_rank``).
+
+    Returns the (LSE dtype, tilings) of each load the constructor asked for, then the ChannelLayout's
+    tilings; or, where construction failed, the DcpError's message."""
+    from dcp.backends import TritonTransport
+
+    loads, original = [], TritonTransport.load
+
+    def load(self, variant, strides, po, lse, y, y_lse, tilings=None):
+        loads.append((str(lse.dtype), tilings))
+        if dist.get_rank() == fail_rank:
+            raise RuntimeError("injected compile failure")
+        original(self, variant, strides, po, lse, y, y_lse, tilings)
+
+    TritonTransport.load = load
+    try:
+        if fail_rank >= 0:
+            return construct_expect_error(state, device, **kwargs)
+        with DcpAllToAll(dist.group.WORLD, device=device, **kwargs) as comm:
+            return loads, comm.layout.tilings
+    finally:
+        TritonTransport.load = original
+
+
 def call_after_close(state, device: str = "cpu") -> str:
     comm = DcpAllToAll(dist.group.WORLD, max_tokens=2, num_heads=2 * dist.get_world_size(), head_dim=8,
                        device=device)
@@ -462,8 +487,12 @@ def construct_close_loop(state, times: int, device: str = "cpu", max_tokens: int
             per = comm.memory_bytes()["total"]
     dist.barrier()
     after, free1 = _resources(), free()
-    # device memory: a leak of even one communicator per iteration would show many times over
-    assert after == before and abs(free1 - free0) < max(per, 1 << 20) * n, (before, after, free0, free1)
+    # A leak of even one resource per communicator would show ``times`` over. Mappings may grow once:
+    # on CPU a rank's allocators map one more anonymous 1 MiB region between its 40th and 60th
+    # construction and none in the next 60, the same with the constructor of e34db41 and of now.
+    maps_grown = after.pop("maps") - before.pop("maps")
+    assert after == before and 0 <= maps_grown <= 1, (before, after, maps_grown)
+    assert abs(free1 - free0) < max(per, 1 << 20) * n, (free0, free1)
     return before, after
 
 

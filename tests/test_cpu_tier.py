@@ -130,6 +130,24 @@ def test_ranks_disagreeing_on_geometry_fail_together(worlds):
     assert len(set(msgs)) == 1 and "disagree" in msgs[0]
 
 
+def test_ranks_share_the_constructors_compiles(worlds):
+    """Each (LSE dtype, tiling) pair is compiled by exactly one rank first (Triton's disk cache
+    then serves the others); the CPU grid gives this layout several tilings."""
+    res = worlds(3).run(rc.construct_recording_compiles, max_tokens=200, num_heads=48, head_dim=64)
+    tilings = res[0][1]
+    assert len(tilings) >= 3, tilings
+    done = [(lse, w) for loads, _ in res for lse, ws in loads for w in ws]
+    want = [(t, w) for t in ("torch.float32", "torch.bfloat16", "torch.float16") for w in tilings]
+    assert sorted(done) == sorted(want)
+    assert all(loads for loads, _ in res), "a rank compiled nothing"
+
+
+def test_a_rank_failing_to_compile_fails_construction_everywhere(worlds):
+    msgs = worlds(3).run(rc.construct_recording_compiles, fail_rank=1, max_tokens=8, num_heads=6, head_dim=16)
+    assert len(set(msgs)) == 1
+    assert "compiling the kernels failed on 1 rank(s): rank 1: RuntimeError: injected compile failure" in msgs[0]
+
+
 def test_rank_errors_are_reported(worlds):
     with pytest.raises(RankError):
         worlds(2).run(rc.lse_case, "missing-key", 0, B=1)
