@@ -193,18 +193,20 @@ class NcclTransport:
         # One tiling: these kernels never wait, so size matters less.
         self.warps = warps = layout.num_warps or SMALL_CALL_WARPS
         self.tilings = (warps,)
+        # By call size (index B, 0 for a load-only launch): its grid and the int32 words it sends
+        # (gloo has no int16).
+        self.plan = [(max(1, layout.tiles(n, warps)), layout.world * n * layout.heads_per_rank * layout.row_elems // 2)
+                     for n in range(layout.max_tokens + 1)]
         self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), dict(num_warps=warps))
-        words = layout.world * layout.rows_max * layout.row_elems // 2  # int32 words: gloo has no int16
+        words = self.plan[-1][1]
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         # The group's first collective sets up its communicator: here, not inside a capture.
         dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
 
     def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
-        lay = self.layout
-        grid = max(1, lay.tiles(n_tokens, self.warps))
-        used = lay.world * n_tokens * lay.heads_per_rank * lay.row_elems // 2
+        grid, used = self.plan[n_tokens]
         send, recv = self.send[channel][:used], self.recv[channel][:used]
         self.pack(variant, grid, (po, lse, send), n_tokens, *strides[:4])
         if n_tokens:
