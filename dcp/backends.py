@@ -5,6 +5,8 @@ they give the same results; only how packed rows reach their destination differs
 """
 
 import ctypes
+import threading
+from typing import Optional
 
 import numpy as np
 import torch
@@ -12,14 +14,19 @@ import torch.distributed as dist
 from triton import knobs
 from triton.runtime import driver
 
-from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS,
-                     build_kernels)
+from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TAG_LOAD, TRACE_CALLS, TRACE_PROGRAMS,
+                     TRACE_WORDS, build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
-from dcp.protocol import SMALL_CALL_WARPS, ChannelLayout, raise_status, status_words
+from dcp.errors import DcpError
+from dcp.protocol import SMALL_CALL_WARPS, ChannelLayout, status_error, status_words
 
 _LOG2E = 1.4426950408889634
 _data_ptr = torch.Tensor.data_ptr
+# Triton's interpreter patches its language module while a kernel runs: one kernel at a time per
+# process. A second thread's launch is refused rather than queued: it could wait behind a call
+# that is itself waiting for that launch's peers.
+_INTERPRETER = threading.Lock()
 
 
 def _hooked(hook) -> bool:
@@ -62,8 +69,14 @@ class _Launcher:
             return
         kwargs = dict(self.constexprs, ALIGNED=variant[1])
         if not self.cuda:
-            with np.errstate(all="ignore"):  # the interpreter also evaluates masked-off lanes
-                self.kernel[(grid,)](*tensors, *scalars, num_warps=self.options["num_warps"], **kwargs)
+            if not _INTERPRETER.acquire(blocking=False):
+                raise DcpError("another thread of this process is running a call on the CPU: Triton's "
+                               "interpreter runs one kernel at a time, so CPU calls cannot run concurrently")
+            try:
+                with np.errstate(all="ignore"):  # the interpreter also evaluates masked-off lanes
+                    self.kernel[(grid,)](*tensors, *scalars, num_warps=self.options["num_warps"], **kwargs)
+            finally:
+                _INTERPRETER.release()
             return
         compiled = self.kernel[(grid,)](*tensors, *scalars, **self.options, **kwargs)
         # The launchers take every parameter in order; they ignore the constexprs' values.
@@ -106,6 +119,7 @@ class TritonTransport:
             for _ in range(channels):
                 self.regions.append(provider.open(group, layout.nbytes))
             self._alloc_status(channels)
+            self.status = [status_words(self.status_addr + 4 * STATUS_WORDS * c) for c in range(channels)]
             self.ctl = []
             for c, region in enumerate(self.regions):
                 words = list(region.peers) + [0] * (CTL_STATUS - layout.world)
@@ -125,10 +139,12 @@ class TritonTransport:
             self._status_keep = ctypes.create_string_buffer(nbytes)
             self.status_addr = ctypes.addressof(self._status_keep)
 
-    def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e, plan=None) -> None:
-        """``strides``: the kernel's eight stride arguments (``DcpAllToAll._operands``)."""
-        fused, grid = plan or self.plan[n_tokens - 1]
-        fused(variant, grid, (po, lse, y, y_lse, self.ctl[channel]), n_tokens, self.rank, *strides,
+    def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e,
+               plan=None) -> None:
+        """``strides``: the kernel's eight stride arguments (``DcpAllToAll._operands``); ``tag``: the
+        call's (``dcp.protocol.call_tag``), the same for every launch of one call."""
+        fused, grid = plan or self.plan[max(n_tokens, 1) - 1]
+        fused(variant, grid, (po, lse, y, y_lse, self.ctl[channel]), n_tokens, tag, self.rank, *strides,
               int(write_lse), _LOG2E if base_e else 1.0)
 
     def tiling(self, n_tokens: int) -> tuple:
@@ -140,7 +156,7 @@ class TritonTransport:
         (B = 0). CPU tensors are interpreted: nothing to load."""
         if self.device.type == "cuda":
             for w in tilings or self.tilings:
-                self.launch(variant, strides, po, lse, y, y_lse, 0, 0, False, True, (self.fused[w], 1))
+                self.launch(variant, strides, po, lse, y, y_lse, 0, TAG_LOAD, 0, False, True, (self.fused[w], 1))
 
     def trace_records(self, channel: int) -> torch.Tensor:
         """The traced calls' records, by epoch: int64 [calls, programs, TRACE_WORDS]."""
@@ -149,10 +165,10 @@ class TritonTransport:
         ring = ring[order]
         return ring[ring[:, 0, 0] > 0]
 
-    def check(self, channels: int) -> None:
-        for c in range(channels):
-            raise_status(status_words(self.status_addr + 4 * STATUS_WORDS * c),
-                         self.layout.world, self.rank, c)
+    def error(self, channel: int) -> Optional[DcpError]:
+        """The recorded failure of a channel (it then stays poisoned), or None. Reads host memory."""
+        return status_error(self.status[channel], self.layout.world, self.rank, channel) \
+            if self.status[channel][0] else None
 
     def poke_epoch(self, channel: int, epoch: int) -> None:
         """Set a channel's device epoch (tests of the wrap-around); every rank must do the same."""
@@ -170,7 +186,7 @@ class TritonTransport:
     def close(self) -> None:
         for region in self.regions:
             region.close()
-        self.regions, self.traces = [], []
+        self.regions, self.traces, self.status = [], [], []
         if self.status_addr and self.device.type == "cuda":
             cudart.free_host(self.status_addr)
         self.status_addr, self._status_keep = 0, None
@@ -205,7 +221,8 @@ class NcclTransport:
         # The group's first collective sets up its communicator: here, not inside a capture.
         dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
 
-    def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, channel, write_lse, base_e) -> None:
+    def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e) -> None:
+        """``tag`` is not exchanged: this path pairs calls by the group's collective order."""
         grid, used = self.plan[n_tokens]
         send, recv = self.send[channel][:used], self.recv[channel][:used]
         self.pack(variant, grid, (po, lse, send), n_tokens, *strides[:4])
@@ -221,10 +238,10 @@ class NcclTransport:
         """Compile and load a variant with launches of no rows (and no exchange), in the one tiling
         there is (``tilings``: None or ``self.tilings``). CPU tensors are interpreted: nothing to load."""
         if self.device.type == "cuda":
-            self.launch(variant, strides, po, lse, y, y_lse, 0, 0, False, True)
+            self.launch(variant, strides, po, lse, y, y_lse, 0, TAG_LOAD, 0, False, True)
 
-    def check(self, channels: int) -> None:
-        pass  # NCCL reports its own failures
+    def error(self, channel: int) -> Optional[DcpError]:
+        return None  # NCCL reports its own failures
 
     def memory_bytes(self) -> int:
         return 2 * self.send[0].numel() * 4

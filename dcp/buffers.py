@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import cudart
-from dcp.rendezvous import agree, all_gather
+from dcp.rendezvous import agree, all_gather, barrier
 
 
 @dataclass
@@ -47,43 +47,59 @@ def _attempt(step: Callable[[], None]) -> Optional[str]:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _release(releases: list[Callable[[], None]]) -> None:
+    while releases:
+        try:
+            releases.pop()()
+        except Exception:
+            pass
+
+
+def _unlink(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _agree_or_unwind(group: dist.ProcessGroup, error: Optional[str], what: str,
                      releases: list[Callable[[], None]]) -> None:
     try:
         agree(group, error, what)
-    except Exception:
-        while releases:
-            try:
-                releases.pop()()
-            except Exception:
-                pass
+    except BaseException:
+        _release(releases)
         raise
 
 
 class HostShmProvider:
     """POSIX shared memory, one segment per rank: CPU tensors under Triton's interpreter.
 
-    Segments are created with mode 0600 under random names and unlinked as soon as every peer
-    has mapped them, so none outlives the processes even if they die.
+    Segments are created with mode 0600 under names agreed before any exists (a random token of
+    rank 0's, then the rank), and unlinked as soon as every peer has mapped them. Every rank
+    unlinks every segment, after the last step or on any failure, a peer's death included, so none
+    outlives the ranks that are still alive.
     """
 
     name = "host-shm"
 
     def open(self, group: dist.ProcessGroup, nbytes: int) -> SymmetricRegion:
         rank = dist.get_rank(group)
+        token = all_gather(group, secrets.token_hex(12), "host shared memory setup")[0]
+        paths = [f"/dev/shm/dcp-a2a-{token}-{r}" for r in range(dist.get_world_size(group))]
         releases: list[Callable[[], None]] = []
-        path = f"/dev/shm/dcp-a2a-{secrets.token_hex(12)}"
-        peers: list[Optional[int]] = []
-        error = _attempt(lambda: peers.append(self._map(path, nbytes, releases, create=True)))
-        paths = all_gather(group, None if error else path)
-        if all(paths):
-            error = _attempt(lambda: peers.extend(
-                self._map(p, nbytes, releases, create=False) for p in paths if p != path))
+        peers: list[int] = []
         try:
-            dist.barrier(group)  # every rank has mapped every segment, or given up
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
+            error = _attempt(lambda: peers.append(self._map(paths[rank], nbytes, releases, create=True)))
+            agree(group, error, "host shared memory setup")
+            error = _attempt(lambda: peers.extend(
+                self._map(p, nbytes, releases, create=False) for r, p in enumerate(paths) if r != rank))
+            barrier(group, "host shared memory setup")  # every rank has mapped every segment, or given up
+        except BaseException:
+            _unlink(paths)
+            _release(releases)
+            raise
+        _unlink(paths)
         _agree_or_unwind(group, error, "host shared memory setup", releases)
         own = peers.pop(0)
         peers.insert(rank, own)
@@ -134,7 +150,11 @@ class CudaIpcProvider:
                 peers.append(ptr)
 
             error = _attempt(allocate)
-            handles = all_gather(group, None if error else cudart.ipc_handle(peers[0]))
+            try:
+                handles = all_gather(group, None if error else cudart.ipc_handle(peers[0]), "CUDA IPC setup")
+            except BaseException:  # a peer left: free what this rank allocated
+                _release(releases)
+                raise
 
             def map_peers() -> None:
                 for r, h in enumerate(handles):

@@ -1,6 +1,8 @@
 """``DcpAllToAll``: the communicator that owns the buffers, validates calls and picks a transport."""
 
 import logging
+import math
+import numbers
 import os
 import socket
 import threading
@@ -10,11 +12,11 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from kernels import MAX_PEERS
+from kernels import KIND_COMBINE, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
 from dcp.backends import NcclTransport, TritonTransport
 from dcp.errors import DcpError
-from dcp.protocol import ChannelLayout
-from dcp.rendezvous import agree, all_gather
+from dcp.protocol import POISONED_NOTE, ChannelLayout, call_tag
+from dcp.rendezvous import agree, all_gather, barrier
 
 log = logging.getLogger("dcp")
 
@@ -23,6 +25,8 @@ OUT_DTYPES = (torch.float16, torch.bfloat16)
 BACKENDS = ("auto", "triton", "nccl")
 MAX_HEAD_DIM = 1024
 DEFAULT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}
+MAX_TIMEOUT_S = 86400.0
+_INT_ARGS = ("max_tokens", "num_heads", "head_dim", "channels")
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -45,6 +49,22 @@ def _expect(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> 
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
     raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def _span(t: torch.Tensor) -> tuple:
+    """[first, last) byte addresses a tensor's elements can touch."""
+    if t.numel() == 0:
+        return (0, 0)
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0) + 1
+    return (t.data_ptr(), t.data_ptr() + extent * t.element_size())
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share an element (spans first: exact only where they interleave)."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    if a0 >= b1 or b0 >= a1:
+        return False
+    return bool(torch._C._overlaps(a, b))
 
 
 def _unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
@@ -84,38 +104,47 @@ class DcpAllToAll:
                  backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
                  max_programs: Optional[int] = None, num_warps: Optional[int] = None,
                  pdl: Optional[bool] = None, check: Optional[bool] = None):
+        self._closed = True
         self.group = group
-        self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.device = self._resolve_device(device)
-        self.num_heads, self.head_dim, self.max_tokens = num_heads, head_dim, max_tokens
-        self.dtype, self.channels = dtype, channels
-        self.heads_per_rank = num_heads // self.world if self.world else 0
-        self.timeout_s = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S[self.device.type])
+        if self.rank < 0:  # not collective: a non-member cannot reach the group
+            raise DcpError("DcpAllToAll: this process is not a member of the group it was given")
+        self.world = dist.get_world_size(group)
+        # Every argument is checked here and the verdict agreed on by all ranks before any rank
+        # acts on it, so that a bad argument on one rank fails construction on every rank alike.
         requested = backend if backend is not None else os.environ.get("DCP_A2A_BACKEND", "auto")
+        self.dtype, self.num_warps, self.max_programs, self.pdl = dtype, num_warps, max_programs, pdl
+        self.max_tokens = self.num_heads = self.head_dim = self.channels = 0
+        self.device, self.timeout_s, self._has_pdl, where = torch.device("cpu"), 0.0, False, ""
+        try:
+            error = self._set_arguments(max_tokens, num_heads, head_dim, channels, device, timeout_s, requested)
+            if error is None:
+                where = self._where()
+        except Exception as exc:  # anything unexpected is reported to every rank too
+            error = f"{type(exc).__name__}: {exc}"
+        self.heads_per_rank = self.num_heads // self.world
         env_check = os.environ.get("DCP_A2A_CHECK", "0") not in ("", "0")
         # CPU calls are synchronous, so checking their status costs nothing.
         self.check_calls = bool(check) if check is not None else (env_check or self.device.type == "cpu")
-        self._closed = True
-
-        self.num_warps, self.max_programs = num_warps, max_programs
-        self._has_pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0)
-        self.pdl = self._has_pdl if pdl is None else pdl
         self.tracing = os.environ.get("DCP_A2A_TRACE", "0") not in ("", "0")
-        geometry = (max_tokens, num_heads, head_dim, str(dtype), channels, self.world, requested, num_warps)
-        where = self._where()
-        facts = all_gather(group, (geometry, self._local_error(requested), where, self.device.index))
-        agree(group, facts[self.rank][1], "DcpAllToAll construction")
+        geometry = (self.max_tokens, self.num_heads, self.head_dim, str(dtype), self.channels, self.world,
+                    requested, self.num_warps)
+        facts = all_gather(group, (geometry, error, where, self.device.index), "DcpAllToAll construction")
+        agree(group, facts[self.rank][1], "DcpAllToAll construction", errors=[f[1] for f in facts])
         if any(f[0] != geometry for f in facts):
             raise DcpError("ranks disagree on the DcpAllToAll geometry (max_tokens, num_heads, head_dim, "
                            f"dtype, channels, world, backend, num_warps): {[f[0] for f in facts]}")
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
         self.max_programs = max_programs or self._default_programs()
         # Every rank must tile a call alike: small calls' tiles are sized by the smallest grid.
-        self.layout = ChannelLayout(self.world, self.heads_per_rank, head_dim, max_tokens, num_warps,
-                                    programs=min(all_gather(group, self.max_programs)))
+        self.layout = ChannelLayout(self.world, self.heads_per_rank, self.head_dim, self.max_tokens, num_warps,
+                                    programs=min(all_gather(group, self.max_programs, "DcpAllToAll construction")))
         self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         self._ready: set = set()
+        # One call at a time per channel (a second thread's call is refused), and the channels
+        # poisoned on the host (a refused call may have left the ranks out of step) with the reason.
+        self._busy = [threading.Lock() for _ in range(self.channels)]
+        self._host_poison: dict = {}
         self._transport = self._select(requested, [f[2].split("/")[0] for f in facts], [f[3] for f in facts])
         self.backend: str = self._transport.name
         self.provider: str = self._transport.provider
@@ -123,19 +152,53 @@ class DcpAllToAll:
         try:
             self._compile_shared()
             self.warmup()
+            po, y, lses = self._examples()
+            # What a call that moves no data launches with (a rejected call's own tensors may be unusable).
+            self._idle_call = (*self._operands(po, lses[0], y, None), po, lses[0], y, self._lse_scratch)
         except BaseException:
             self.close()
             raise
 
     # --- setup ---------------------------------------------------------------------------------
+    def _set_arguments(self, max_tokens, num_heads, head_dim, channels, device, timeout_s,
+                       requested) -> Optional[str]:
+        """Normalize the arguments onto ``self``; the first that does not fit, as a message."""
+        for name, value in zip(_INT_ARGS, (max_tokens, num_heads, head_dim, channels)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                return f"{name} must be an integer; got {value!r}"
+            setattr(self, name, int(value))
+        for name in ("max_programs", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                setattr(self, name, int(value))
+        try:
+            self.device = self._resolve_device(device)
+        except Exception as exc:
+            return f"device: {device!r} is not a usable device ({exc})"
+        if self.device.type not in ("cuda", "cpu"):
+            return f"device must be cuda or cpu; got {self.device}"
+        if timeout_s is None:
+            timeout_s = DEFAULT_TIMEOUT_S[self.device.type]
+        if (not isinstance(timeout_s, numbers.Real) or isinstance(timeout_s, bool)
+                or not 0 < float(timeout_s) <= MAX_TIMEOUT_S):
+            return f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]; got {timeout_s!r}"
+        self.timeout_s = float(timeout_s)
+        self._has_pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0)
+        self.pdl = self._has_pdl if self.pdl is None else self.pdl
+        return self._local_error(requested)
+
     def _resolve_device(self, device) -> torch.device:
         if device is None:
             if torch.cuda.is_available():
                 return torch.device("cuda", torch.cuda.current_device())
             return torch.device("cpu")
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("CUDA is not available")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.get_device_properties(device)  # raises for a GPU that does not exist
         return device
 
     def _where(self) -> str:
@@ -149,18 +212,16 @@ class DcpAllToAll:
             return f"the group has {n} rank(s); a DCP group needs at least 2"
         if backend not in BACKENDS:
             return f"backend must be one of {BACKENDS}; got {backend!r}"
-        if not isinstance(h, int) or h <= 0 or h % n:
+        if h <= 0 or h % n:
             return f"num_heads must be a positive multiple of the group size {n}; got {h}"
-        if not isinstance(d, int) or d <= 0 or d % 8 or d > MAX_HEAD_DIM:
+        if d <= 0 or d % 8 or d > MAX_HEAD_DIM:
             return f"head_dim must be a positive multiple of 8 up to {MAX_HEAD_DIM}; got {d}"
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if self.max_tokens <= 0:
             return f"max_tokens must be a positive integer; got {self.max_tokens}"
         if self.dtype not in OUT_DTYPES:
             return f"dtype must be torch.float16 or torch.bfloat16; got {self.dtype}"
-        if not isinstance(self.channels, int) or self.channels < 1:
+        if self.channels < 1:
             return f"channels must be a positive integer; got {self.channels}"
-        if self.device.type not in ("cuda", "cpu"):
-            return f"device must be cuda or cpu; got {self.device}"
         if self.max_programs is not None and (type(self.max_programs) is not int or self.max_programs < 1):
             return f"max_programs must be None or a positive integer; got {self.max_programs!r}"
         if self.num_warps not in (None, 1, 2, 4, 8, 16):
@@ -327,37 +388,108 @@ class DcpAllToAll:
 
         Returns ``out`` (allocated unless given) and, with ``return_lse``, the combined LSE
         ``[B, H/N]`` fp32 in the base of the input LSE (``out_lse`` if given). ``check`` (default:
-        the constructor's) synchronizes and raises a recorded timeout or size mismatch.
+        the constructor's) synchronizes and raises a recorded timeout or mismatch.
+
+        Collective, whatever happens: a call rejected here (bad arguments) still announces itself
+        to the peers, whose call then fails naming this rank; a call with B = 0 takes part too.
         """
-        if self._closed:
-            self._check_open()
-        B = self._validate(partial_out, partial_lse, out, out_lse, channel)
-        y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim), dtype=self.dtype,
-                                                    device=self.device)
-        y_lse = None  # an out_lse without return_lse is not written
-        if return_lse:
-            y_lse = out_lse if out_lse is not None else torch.empty((B, self.heads_per_rank), dtype=torch.float32,
-                                                                    device=self.device)
-        operands = self._operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row, B = 0 too
-        if B > 0:
-            key, strides = operands
-            if key not in self._ready:
-                self._load(partial_out, partial_lse, y, operands)
-            write_lse, lse_arg = (False, self._lse_scratch) if y_lse is None else (True, y_lse)
-            if B <= self.max_tokens:
-                self._transport.launch(key, strides, partial_out, partial_lse, y, lse_arg, B, channel, write_lse,
-                                       is_lse_base_on_e)
-            else:
-                for b0 in range(0, B, self.max_tokens):
-                    b1 = min(B, b0 + self.max_tokens)
-                    self._transport.launch(key, strides, partial_out[b0:b1], partial_lse[b0:b1], y[b0:b1],
-                                           y_lse[b0:b1] if write_lse else lse_arg, b1 - b0, channel,
-                                           write_lse, is_lse_base_on_e)
-            if check if check is not None else self.check_calls:
-                self.check(synchronize=True)
+        busy = self._enter(channel)
+        try:
+            try:
+                B = self._validate(partial_out, partial_lse, out, out_lse)
+                y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim),
+                                                            dtype=self.dtype, device=self.device)
+                y_lse = None  # an out_lse without return_lse is not written
+                if return_lse:
+                    y_lse = out_lse if out_lse is not None else torch.empty(
+                        (B, self.heads_per_rank), dtype=torch.float32, device=self.device)
+                operands = self._operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
+                if out is not None or out_lse is not None:
+                    self._refuse_overlap(partial_out, partial_lse, out, out_lse)
+                key, strides = operands
+                if key not in self._ready:
+                    self._load(partial_out, partial_lse, y, operands)
+            except BaseException:
+                self._announce(channel, TAG_ABORT)
+                raise
+            self._launches(key, strides, partial_out, partial_lse, y, y_lse, B, channel, is_lse_base_on_e)
+        finally:
+            busy.release()
+        if check if check is not None else self.check_calls:
+            self.check(synchronize=True)
         return (y, y_lse) if return_lse else y
 
-    def _validate(self, po, lse, out, out_lse, channel) -> int:
+    def _enter(self, channel) -> threading.Lock:
+        """Take the channel for this call, or raise: closed, busy, or poisoned by a failed call."""
+        if self._closed:
+            self._check_open()
+        if type(channel) is not int or not 0 <= channel < self.channels:
+            # Which channel the peers use is unknown: none of them can be trusted to be in step.
+            for c in range(self.channels):
+                self._host_poison.setdefault(c, f"a call named channel {channel!r}, which does not exist")
+            raise ValueError(f"channel: expected an integer in [0, {self.channels}), got {channel!r}")
+        busy = self._busy[channel]
+        if not busy.acquire(blocking=False):
+            self._check_open()
+            # The call in flight keeps the channel; this one is lost, so the ranks' call counts differ.
+            self._host_poison.setdefault(channel, "two threads called on it at once")
+            raise DcpError(f"channel {channel} is busy: another thread of this process is inside a call on "
+                           f"it (calls that may run concurrently need channels of their own); {POISONED_NOTE}")
+        error = self._channel_error(channel)
+        if error is not None:
+            try:
+                self._announce(channel, TAG_POISONED)
+            finally:
+                busy.release()
+            raise error
+        return busy
+
+    def _channel_error(self, channel: int) -> Optional[DcpError]:
+        if channel in self._host_poison:
+            return DcpError(f"channel {channel} is poisoned: {self._host_poison[channel]}; {POISONED_NOTE}")
+        return self._transport.error(channel)
+
+    def _announce(self, channel: int, tag: int) -> None:
+        """A call that moves no data, so that the peers' call of the same epoch fails at once naming
+        this rank, and every rank's epoch stays in step. If even that cannot launch, the channel is
+        poisoned here, and its next call announces it (never raises)."""
+        try:
+            self._transport.launch(*self._idle_call, 0, tag, channel, False, True)
+        except Exception as exc:  # the caller raises its own error
+            self._host_poison.setdefault(channel, f"a call could not announce itself to the peers ({exc})")
+
+    def _launches(self, key, strides, po, lse, y, y_lse, B: int, channel: int, base_e: bool) -> None:
+        """The call's launches: one up to max_tokens, else one per chunk of max_tokens, all with the
+        call's tag. A failure between them leaves the ranks out of step: the channel is poisoned."""
+        write_lse, lse_arg = (False, self._lse_scratch) if y_lse is None else (True, y_lse)
+        tag = call_tag(KIND_COMBINE, B)
+        try:
+            if B <= self.max_tokens:
+                self._transport.launch(key, strides, po, lse, y, lse_arg, B, tag, channel, write_lse, base_e)
+                return
+            for b0 in range(0, B, self.max_tokens):
+                b1 = min(B, b0 + self.max_tokens)
+                self._transport.launch(key, strides, po[b0:b1], lse[b0:b1], y[b0:b1],
+                                       y_lse[b0:b1] if write_lse else lse_arg, b1 - b0, tag, channel,
+                                       write_lse, base_e)
+        except BaseException as exc:
+            self._host_poison.setdefault(channel, f"a call failed between its launches ({type(exc).__name__})")
+            raise
+
+    @staticmethod
+    def _refuse_overlap(po, lse, out, out_lse) -> None:
+        """Outputs are written while other programs (and, chunk by chunk, later launches) still read
+        the inputs: no output may share memory with an input or with the other output."""
+        named = [("partial_out", po), ("partial_lse", lse), ("out", out), ("out_lse", out_lse)]
+        for i, (a_name, a) in enumerate(named[2:], 2):
+            if a is None:
+                continue
+            for b_name, b in named[:i]:
+                if b is not None and _overlaps(a, b):
+                    raise ValueError(f"{a_name}: expected memory of its own, but it overlaps {b_name} (outputs "
+                                     "must not share, or interleave with, the memory of inputs or other outputs)")
+
+    def _validate(self, po, lse, out, out_lse) -> int:
         """The call's B, or raise naming the argument that does not fit.
 
         A well-formed call passes one test that reads each tensor's shape, dtype and device once
@@ -373,7 +505,7 @@ class DcpAllToAll:
                                      and out.dtype is dt and out.device == dev))
                 and (out_lse is None or (type(out_lse) is torch.Tensor and out_lse.shape == (shape[0], hn)
                                          and out_lse.dtype is torch.float32 and out_lse.device == dev))
-                and type(channel) is int and 0 <= channel < self.channels):
+                and shape[0] <= TAG_MAX_TOKENS):
             return shape[0]
         B = po.shape[0] if isinstance(po, torch.Tensor) and po.dim() == 3 else "B"  # "B": raises below
         _expect("partial_out", po, (B, h, d), (dt,), dev)
@@ -382,38 +514,45 @@ class DcpAllToAll:
             _expect("out", out, (B, hn, d), (dt,), dev)
         if out_lse is not None:
             _expect("out_lse", out_lse, (B, hn), (torch.float32,), dev)
-        if not isinstance(channel, int) or not 0 <= channel < self.channels:
-            raise ValueError(f"channel: expected an integer in [0, {self.channels}), got {channel!r}")
+        if B > TAG_MAX_TOKENS:
+            raise ValueError(f"partial_out: expected at most {TAG_MAX_TOKENS} tokens per call; got {B}")
         return B
 
     # --- status and lifecycle ------------------------------------------------------------------
     def check(self, synchronize: bool = False) -> None:
-        """Raise ``DcpTimeoutError`` or ``DcpMismatchError`` if a finished call recorded one.
+        """Raise the failure of a poisoned channel, if any: a recorded ``DcpTimeoutError`` or
+        ``DcpMismatchError`` (it stays recorded until the communicator is rebuilt).
 
         Reads host-mapped status words: it waits for the device only when asked to.
         """
         self._check_open()
         if synchronize and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self._transport.check(self.channels)
+        for c in range(self.channels):
+            error = self._channel_error(c)
+            if error is not None:
+                raise error
 
     def start_watchdog(self, interval_s: float = 1.0,
                        on_error: Optional[Callable[[DcpError], None]] = None) -> None:
         """Check the status words from a background thread every ``interval_s`` seconds.
 
-        Never synchronizes the device. On a recorded failure it calls ``on_error(exc)`` (default:
-        log the error), so a server can fail the affected requests instead of serving NaN rows.
+        Never synchronizes the device. On a channel's failure it calls ``on_error(exc)`` once
+        (default: log the error), so a server can fail the affected requests instead of serving NaN
+        rows; ``on_error`` may close the communicator.
         """
         self._check_open()
         self.stop_watchdog()
         stop = threading.Event()
 
         def watch() -> None:
+            reported: set = set()
             while not stop.wait(interval_s):
-                try:
-                    self._transport.check(self.channels)
-                except DcpError as exc:
-                    (on_error or (lambda e: log.error("DCP all-to-all watchdog: %s", e)))(exc)
+                for c in range(self.channels):
+                    error = None if c in reported or stop.is_set() else self._channel_error(c)
+                    if error is not None:
+                        reported.add(c)
+                        (on_error or (lambda e: log.error("DCP all-to-all watchdog: %s", e)))(error)
 
         self._watchdog = (stop, threading.Thread(target=watch, name="dcp-a2a-watchdog", daemon=True))
         self._watchdog[1].start()
@@ -422,7 +561,8 @@ class DcpAllToAll:
         watchdog, self._watchdog = getattr(self, "_watchdog", None), None
         if watchdog is not None:
             watchdog[0].set()
-            watchdog[1].join()
+            if watchdog[1] is not threading.current_thread():  # on_error may stop it from inside
+                watchdog[1].join()
 
     def trace(self, channel: int = 0) -> torch.Tensor:
         """The last traced calls of a channel (``DCP_A2A_TRACE=1``), ordered by epoch.
@@ -457,11 +597,20 @@ class DcpAllToAll:
 
     def close(self) -> None:
         """Collective: unmap peers' buffers and free this rank's. Graphs captured against this
-        communicator must be dropped first: their kernels hold its addresses."""
+        communicator must be dropped first: their kernels hold its addresses. Callable from any
+        thread: it first waits for calls in flight on other threads (each is bounded by the
+        timeout)."""
         if self._closed:
             return
         self._closed = True
         self.stop_watchdog()
+        deadline = 2 * self.timeout_s + 10
+        held = [lock for lock in self._busy if lock.acquire(timeout=deadline)]
+        if len(held) < len(self._busy):
+            for lock in held:
+                lock.release()
+            raise DcpError(f"DcpAllToAll.close: a call on another thread did not end within {deadline:.0f} s; "
+                           "the buffers stay mapped rather than be unmapped under it")
         try:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from kernels import STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS
-from dcp.errors import DcpMismatchError, DcpTimeoutError
+from kernels import (KIND_COMBINE, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT, TAG_KIND_SHIFT,
+                     TAG_MAX_TOKENS, TAG_NONE, TAG_POISONED)
+from dcp.errors import DcpError, DcpMismatchError, DcpTimeoutError
 
-STATE_BYTES = 64  # the epoch word, local to the rank
+STATE_BYTES = 64  # the epoch word and the poison word, local to the rank
 # Warps per program by call size (docs/NOTES.md, H200s): a small call takes the fewest warps, so the
 # fewest rows per tile, whose tiles the grid covers in one round, spreading its bytes and fences
 # over more SMs; 8 where none does; large calls take 16, half as many tile steps per program.
@@ -126,28 +127,50 @@ class ChannelLayout:
                     FLAG_OFF=self.flag_offset, RECV_OFF=self.recv_offset)
 
 
+def call_tag(kind: int, n_tokens: int) -> int:
+    """The tag a call's flags carry: its kind and its total B (every launch of the call alike)."""
+    return (kind << TAG_KIND_SHIFT) | n_tokens
+
+
+_KINDS = {KIND_COMBINE: "combine"}
+
+
+def describe_tag(tag: int) -> str:
+    if tag == TAG_ABORT:
+        return "rejected its call before launch"
+    if tag == TAG_POISONED:
+        return "had already failed a call on this channel"
+    if tag == TAG_NONE:
+        return "sent nothing of this call"
+    return f"{_KINDS.get(tag >> TAG_KIND_SHIFT, 'unknown call')} of B={tag & TAG_MAX_TOKENS}"
+
+
 def status_words(address: int) -> "ctypes.Array":
-    """The status words of one channel, read and written in place from the host."""
+    """The status words of one channel, read in place from the host (the kernel writes them)."""
     return (ctypes.c_int32 * STATUS_WORDS).from_address(address)
 
 
-def raise_status(words: "ctypes.Array", world: int, rank: int, channel: int) -> None:
-    """Raise the error the kernel recorded, if any, and clear it."""
+POISONED_NOTE = "every later call on this channel raises until the communicator is rebuilt"
+
+
+def status_error(words: "ctypes.Array", world: int, rank: int, channel: int) -> Optional[DcpError]:
+    """The error of the first failed call the kernel recorded on a channel (kept: the channel stays
+    poisoned), or None."""
     code = words[0]
     if code == 0:
-        return
-    epoch, tile, tokens = words[1], words[2], words[3]
+        return None
+    epoch, tile, own = words[1], words[2], words[3]
     missing = [r for r in range(world) if words[4 + r]]
     announced = {r: words[12 + r] for r in range(world)}
-    ctypes.memset(ctypes.addressof(words), 0, ctypes.sizeof(words))
-    where = f"rank {rank}, channel {channel}, epoch {epoch}, tile {tile}"
+    where = f"rank {rank}, channel {channel}, epoch {epoch}, tile {tile}; {POISONED_NOTE}"
     if code == STATUS_TIMEOUT:
-        raise DcpTimeoutError(
+        return DcpTimeoutError(
             f"DCP all-to-all timed out waiting for rank(s) {missing} ({where}); the rows of that "
-            "tile were written as NaN", missing)
+            "call were written as NaN", missing)
     if code == STATUS_MISMATCH:
-        other = {r: b for r, b in announced.items() if b >= 0 and b != tokens}
-        raise DcpMismatchError(
-            f"ranks entered the same DCP all-to-all call with different token counts: this rank has "
-            f"B={tokens}, rank(s) announced {other} ({where})")
-    raise DcpTimeoutError(f"DCP all-to-all failed with status {code} ({where})", missing)
+        other = "; ".join(f"rank {r} {describe_tag(t)}" for r, t in announced.items()
+                          if r != rank and t != own and t != TAG_NONE)
+        return DcpMismatchError(
+            f"ranks entered the same DCP call differently: this rank ran a {describe_tag(own)}; "
+            f"{other} ({where}); its rows were written as NaN")
+    return DcpTimeoutError(f"DCP all-to-all failed with status {code} ({where})", missing)

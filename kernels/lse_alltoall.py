@@ -10,8 +10,8 @@ protocol needs no ordering between programs of one rank.
 
 Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp.protocol``)::
 
-    state  [epoch * EPOCH_STRIDE uint32]                          local only
-    flags  [2 slots][N sources][tiles] int64: B << 32 | epoch
+    state  [epoch * EPOCH_STRIDE uint32, poisoned int32]          local only
+    flags  [2 slots][N sources][tiles] int64: call tag << 32 | epoch
     recv   [2 slots][N sources][B_max * H/N rows][ROW int16]   row = D values, fp32 LSE, padding
 
 NCCL path (``pack_kernel``, ``all_to_all_single``, ``combine_kernel``): the same packed rows in a
@@ -42,12 +42,26 @@ EPOCH_SHIFT = 8
 EPOCH_STRIDE = 1 << EPOCH_SHIFT  # also the most programs a call may have
 EPOCH_PERIOD = 1 << (32 - EPOCH_SHIFT)
 
-# Status words, host-readable: [0] code, [1] epoch, [2] tile, [3] own B,
-# [4 + src] missing flag per source, [12 + src] B announced by that source.
+# Status words, host-readable, the first failure of a channel (kept: the channel is poisoned from
+# then on): [0] code, [1] epoch, [2] tile, [3] own call tag, [4 + src] missing flag per source,
+# [12 + src] the tag announced by that source (TAG_NONE: nothing of this call arrived from it).
 STATUS_WORDS = 20
 STATUS_TIMEOUT = 1
 STATUS_MISMATCH = 2
 MAX_PEERS = 8
+
+# A flag names its call: the epoch, and above it the call's tag. A call's tag is its kind and its
+# total token count B (not the launch's: a call above max_tokens runs in several launches), so that
+# ranks pair only launches of the same call. Negative tags announce a call that moves no data:
+# ABORT, the rank rejected its call before launch; POISONED, its channel failed earlier. LOAD is
+# the constructor's launch that only loads a variant and touches nothing.
+TAG_KIND_SHIFT = 28
+TAG_MAX_TOKENS = (1 << TAG_KIND_SHIFT) - 1
+KIND_COMBINE = 0
+TAG_ABORT = -1
+TAG_POISONED = -2
+TAG_NONE = -3
+TAG_LOAD = -4
 
 CTL_STATUS = 8  # ctl[0:N] peer channel bases, ctl[8] status address, ctl[9] timeout (ns),
 CTL_TIMEOUT = 9  # ctl[10] trace address (0 unless tracing)
@@ -72,6 +86,9 @@ _TRACE_CALLS = tl.constexpr(TRACE_CALLS)
 _TRACE_PROGRAMS = tl.constexpr(TRACE_PROGRAMS)
 _TRACE_WORDS = tl.constexpr(TRACE_WORDS)
 _MISMATCH_AFTER_NS = tl.constexpr(20_000)
+_TAG_POISONED = tl.constexpr(TAG_POISONED)
+_TAG_NONE = tl.constexpr(TAG_NONE)
+_TAG_LOAD = tl.constexpr(TAG_LOAD)
 
 
 # --- shared by both paths ------------------------------------------------------------------------
@@ -111,6 +128,12 @@ def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N: tl.constexpr,
     tl.store((drow + D).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
 
 
+def _load_lse(src32, row, rmask, ROW: tl.constexpr, D: tl.constexpr):
+    """The fp32 LSE of packed rows; NaN and +inf count as -inf (that rank saw no keys)."""
+    lv = tl.load(src32 + (row * ROW + D) // 2, mask=rmask, other=float("-inf"))
+    return tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
+
+
 def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
                   N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
                   D: tl.constexpr):
@@ -118,29 +141,30 @@ def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask,
 
     Source by source in [BLOCK_R, DP] blocks, in the layout of the output: a reduction over a peer
     axis would go through shared memory. The loads do not depend on each other, so they overlap.
-    NaN and +inf LSEs count as -inf; a source of weight 0 contributes nothing even if its values
-    are NaN or inf; where every source is empty the result is 0 and the LSE -inf.
+    Each source's weight is normalized (divided by the weight sum) before it scales the values, so
+    the fp32 sum never exceeds the largest value (values near the dtype's maximum stay finite). A
+    source of weight 0 contributes nothing even if its values are NaN or inf; where every source is
+    empty the result is 0 and the LSE -inf. The LSEs are read three times (max, sum, weights): a
+    few words per row, from cache.
     """
     out_ty = y_ptrs.dtype.element_ty
     src32 = src16.to(tl.pointer_type(tl.float32), bitcast=True)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in tl.static_range(N):
-        lv = tl.load(src32 + ((row0 + s * src_stride) * ROW + D) // 2, mask=rmask, other=float("-inf"))
-        lv = tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
-        m = tl.maximum(m, lv)
+        m = tl.maximum(m, _load_lse(src32, row0 + s * src_stride, rmask, ROW, D))
     m = tl.where(m == float("-inf"), 0.0, m)
     wsum = tl.full([BLOCK_R], 0.0, tl.float32)
+    for s in tl.static_range(N):
+        wsum += tl.exp2((_load_lse(src32, row0 + s * src_stride, rmask, ROW, D) - m) * log2_scale)
+    inv = tl.where(wsum > 0, 1.0 / wsum, 0.0)
     acc = tl.full([BLOCK_R, DP], 0.0, tl.float32)
     omask = rmask[:, None] & cmask[None, :]
     for s in tl.static_range(N):
         row = row0 + s * src_stride
-        lv = tl.load(src32 + (row * ROW + D) // 2, mask=rmask, other=float("-inf"))
-        lv = tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
-        w = tl.exp2((lv - m) * log2_scale)
+        w = tl.exp2((_load_lse(src32, row, rmask, ROW, D) - m) * log2_scale) * inv
         ov = tl.load(src16 + row[:, None] * ROW + c_off[None, :], mask=omask, other=0)
         acc += tl.where(w[:, None] > 0, w[:, None] * ov.to(out_ty, bitcast=True).to(tl.float32), 0.0)
-        wsum += w
-    tl.store(y_ptrs, tl.where(wsum[:, None] > 0, acc / wsum[:, None], 0.0).to(out_ty), mask=omask)
+    tl.store(y_ptrs, acc.to(out_ty, fp_downcast_rounding="rtne"), mask=omask)
     if write_lse != 0:
         tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
 
@@ -163,7 +187,7 @@ def _scale_strides(a, b, c, d, ALIGNED: tl.constexpr):
 
 def lse_alltoall_kernel(
     po, lse, y, y_lse, ctl,
-    n_tokens, rank,
+    n_tokens, call_tag, rank,
     s_po_b, s_po_h, s_lse_b, s_lse_h, s_y_b, s_y_h, s_yl_b, s_yl_h,
     write_lse, log2_scale,
     N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -171,9 +195,12 @@ def lse_alltoall_kernel(
     FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr,
     TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """One launch of a call: ``n_tokens`` rows of this launch, ``call_tag`` the call's tag (its
+    kind and total B; TAG_ABORT or TAG_POISONED with no rows announce a call that moves no data;
+    TAG_LOAD only loads the variant)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    if n_tokens > 0:  # n_tokens == 0 is a load-only launch: touches nothing
+    if call_tag != _TAG_LOAD:
         s_po_b, s_po_h, s_y_b, s_y_h = _scale_strides(s_po_b, s_po_h, s_y_b, s_y_h, ALIGNED)
         local = tl.load(ctl + rank)  # ctl is written once, at construction
         status = tl.load(ctl + _CTL_STATUS).to(tl.pointer_type(tl.int32))
@@ -186,10 +213,15 @@ def lse_alltoall_kernel(
         t_start = _stamp(pid, TRACE)
         e = (tl.load(state, volatile=True).to(tl.uint32, bitcast=True) >> _SHIFT).to(tl.int32) + 1
         slot = e & 1
-        # A flag is one 64-bit word: the epoch, and the B its sender was called with above it.
-        want = (n_tokens.to(tl.int64) << 32) | e.to(tl.int64)
+        # A channel whose call failed is poisoned for good: its calls move no data and announce
+        # themselves as poisoned, so that every peer's call fails too, and write NaN rows.
+        poisoned = (tl.load(state + 1, volatile=True) != 0) | (call_tag == _TAG_POISONED)
+        tag = tl.where(poisoned, _TAG_POISONED, call_tag)
+        want = (tag.to(tl.int64) << 32) | e.to(tl.int64)
         n_rows = n_tokens * HN
-        n_tiles = (n_rows + BLOCK_R - 1) // BLOCK_R
+        n_push = tl.where(poisoned, 0, n_rows)
+        # Tile 0 always exists, even without rows: every call announces itself to every peer.
+        n_tiles = tl.maximum((n_rows + BLOCK_R - 1) // BLOCK_R, 1)
         c_off = tl.arange(0, DP)
         cmask = c_off < D
         peer = tl.arange(0, NP)
@@ -207,11 +239,11 @@ def lse_alltoall_kernel(
         # Tiles pid, pid + G, ... (a while: the interpreter's range needs ints), each loaded one
         # step ahead so that a load is in flight while the previous tile is stored.
         t = pid
-        vals, lv = _load_tile(po, lse, t, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, BLOCK_R)
-        while t < n_tiles:
-            nvals, nlv = _load_tile(po, lse, t + G, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
+        vals, lv = _load_tile(po, lse, t, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, BLOCK_R)
+        while t * BLOCK_R < n_push:
+            nvals, nlv = _load_tile(po, lse, t + G, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
                                     N, HN, BLOCK_R)
-            _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N, BLOCK_R, ROW, D)
+            _store_tile(dst16, t, vals, lv, n_push, peer, c_off, cmask, N, BLOCK_R, ROW, D)
             vals, lv = nvals, nlv
             t += G
         tl.debug_barrier()
@@ -224,9 +256,11 @@ def lse_alltoall_kernel(
 
         # Wait: a bounded spin on each tile's flags from every source (relaxed loads), then one
         # fence for all of them (the acquire pattern). Source by source: the interpreter cannot run
-        # Triton's reductions.
+        # Triton's reductions. A tile has arrived once every source's flag carries this epoch; it
+        # is good only if every flag also carries this call's tag.
         flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int64)) + slot * N * TILES_MAX
-        code = 0  # > 0 once a tile of this program failed: its rows are then written as NaN
+        code = tl.where(poisoned, _MISMATCH, 0)  # > 0 once a tile failed: its rows are then NaN
+        timeout = tl.where(poisoned, 0, timeout).to(tl.int64)
         t = pid
         while t < n_tiles:
             # Once a program of this call has given up, the others give up at once too.
@@ -235,25 +269,39 @@ def lse_alltoall_kernel(
             tile_code = 0
             while tile_code == 0:
                 n_arrived = 0
+                n_same = 0
                 for s in tl.static_range(N):
-                    n_arrived += (_load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE) == want).to(tl.int32)
+                    got = _load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE)
+                    n_arrived += ((got & 0xFFFFFFFF) == e).to(tl.int32)
+                    n_same += (got == want).to(tl.int32)
                 waited = _now(t) - start
-                tile_code = tl.where(n_arrived == N, -1, tl.where(waited > timeout, _TIMEOUT, 0))
-                # A sender called with another B publishes its flags with that B; tile 0 always
-                # exists, so it shows even where this tile never comes. Looked at only once the
-                # wait is not short, so the fast spin reads nothing else.
+                tile_code = tl.where(n_same == N, -1, tl.where(n_arrived == N, _MISMATCH,
+                                                               tl.where(waited > timeout, _TIMEOUT, 0)))
+                # A sender of another call (another B, or a call that moves no data) may never
+                # publish this tile; its tile 0 always exists, so it shows there. Looked at only
+                # once the wait is not short, so the fast spin reads nothing else.
+                # A source whose channel is poisoned never takes part again, whatever the epoch.
                 if (tile_code == 0) & (waited > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
                         first = _load_relaxed(flags + s * TILES_MAX, GPU_SCOPE)
-                        if ((first & 0xFFFFFFFF) == e) & ((first >> 32) != n_tokens):
+                        if (((first & 0xFFFFFFFF) == e) & (first != want)) | ((first >> 32) == _TAG_POISONED):
                             tile_code = _MISMATCH
                 _pause()
             if (tile_code > 0) & (code == 0):
-                _record_failure(status, flags, t, e, n_tokens, tile_code, N, TILES_MAX, GPU_SCOPE)
+                _record_failure(status, flags, t, e, tag, tile_code, N, TILES_MAX, GPU_SCOPE)
             code = tl.where(code > 0, code, tile_code)
             # After one failed wait the call is lost: later tiles look once and give up.
             timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
             t += G
+        if (code > 0) & (tag != _TAG_POISONED):
+            # Retract this program's flags of the failed call: a peer that comes late (it may have
+            # skipped a call) must find a poisoned channel, not rows it would take for its own call.
+            retracted = (tl.full([], _TAG_POISONED, tl.int64) << 32) | e.to(tl.int64)
+            _fence(e, GPU_SCOPE)
+            t = pid
+            while t < n_tiles:
+                _store_relaxed(dst_flags + t, retracted, GPU_SCOPE)
+                t += G
         _fence(e, GPU_SCOPE)
         tl.debug_barrier()
         t_arrived = _stamp(t, TRACE)
@@ -266,7 +314,7 @@ def lse_alltoall_kernel(
         # Combine every tile of this program from local memory.
         recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
         t = pid
-        while t < n_tiles:
+        while t * BLOCK_R < n_rows:
             rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
             y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
             yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
@@ -281,6 +329,8 @@ def lse_alltoall_kernel(
                     tl.store(yl_ptrs, tl.full([BLOCK_R], float("nan"), tl.float32), mask=rmask)
             t += G
         t_combined = _stamp(t, TRACE)
+        if code > 0:
+            tl.store(state + 1, 1)  # poison the channel: read by the next call, after this grid ends
 
         # Advance the epoch: the programs add EPOCH_STRIDE to the state word together, so its
         # epoch bits move only once every program of this call has read them. Nobody waits on it.
@@ -296,20 +346,21 @@ def lse_alltoall_kernel(
                 tl.store(rec, e.to(tl.int64))
 
 
-def _record_failure(status, flags, t, e, n_tokens, code, N: tl.constexpr, TILES_MAX: tl.constexpr,
+def _record_failure(status, flags, t, e, tag, code, N: tl.constexpr, TILES_MAX: tl.constexpr,
                     GPU_SCOPE: tl.constexpr):
-    """Leave the first failure of a call where the host reads it: which sources were missing at
-    tile t, and the B each announced (-1: nothing of this call arrived from it)."""
-    if tl.load(status, volatile=True) == 0:  # keep the first failure until reported
+    """Leave the first failure of a channel where the host reads it: which sources were missing at
+    tile t, and the tag each announced (TAG_NONE: nothing of this call arrived from it)."""
+    if tl.load(status, volatile=True) == 0:  # the first failure is kept: the channel is poisoned
         tl.store(status + 1, e)
         tl.store(status + 2, t)
-        tl.store(status + 3, n_tokens)
+        tl.store(status + 3, tag)
         for s in tl.static_range(N):
             got = _load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE)
             first = _load_relaxed(flags + s * TILES_MAX, GPU_SCOPE)
             got_now = (got & 0xFFFFFFFF) == e
             tl.store(status + 4 + s, (~got_now).to(tl.int32))
-            announced = tl.where(got_now, got >> 32, tl.where((first & 0xFFFFFFFF) == e, first >> 32, -1))
+            first_now = ((first & 0xFFFFFFFF) == e) | ((first >> 32) == _TAG_POISONED)
+            announced = tl.where(got_now, got >> 32, tl.where(first_now, first >> 32, _TAG_NONE))
             tl.store(status + 12 + s, announced.to(tl.int32))
         tl.store(status, code)
 
@@ -410,8 +461,8 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_tile_rows, _load_tile, _store_tile, _combine_rows, _stamp, _scale_strides, _record_failure)
-_INT_ARGS = ["n_tokens", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
+_SHARED_HELPERS = (_tile_rows, _load_tile, _store_tile, _load_lse, _combine_rows, _stamp, _scale_strides, _record_failure)
+_INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]
 _built: dict = {}
 

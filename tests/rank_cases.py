@@ -133,12 +133,16 @@ def bad_calls(state, key: str) -> list:
                 po, pl, return_lse=True, out_lse=torch.empty(2, hn, dtype=torch.float64, device=dev)),
             "empty_last_dim_stride": lambda: call(  # B = 0: nothing to move, still malformed
                 torch.randn(0, D, H).to(comm.dtype).to(dev).transpose(1, 2), pl[:0]),
-            "channel": lambda: call(po, pl, channel=comm.channels),
-            "negative_channel": lambda: call(po, pl, channel=-1),
             "not_tensor": lambda: call(po.tolist(), pl),
             "device": lambda: call(po.to(elsewhere), pl),
             "lse_device": lambda: call(po, pl.to(elsewhere)),
             "out_device": lambda: call(po, pl, out=torch.empty(2, hn, D, dtype=comm.dtype, device=elsewhere)),
+            "out_aliases_input": lambda: call(po, pl, out=po[:, :hn]),
+            "out_lse_aliases_lse": lambda: call(po, pl, return_lse=True, out_lse=pl[:, :hn]),
+            "too_many_tokens": lambda: call(po[:1].expand(1 << 28, H, D), pl[:1].expand(1 << 28, H)),
+            # last: a channel that does not exist poisons every channel (the peers' is unknown)
+            "channel": lambda: call(po, pl, channel=comm.channels),
+            "negative_channel": lambda: call(po, pl, channel=-1),
         }
 
     plain = cases(lambda v: v)

@@ -88,11 +88,12 @@ def test_timeouts_mismatch_and_watchdog_gpu(worlds):
     w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
     for r, B in enumerate([3, 2, 3]):
         w.conns[r].send((rc.expect_mismatch.__module__, "expect_mismatch", ("to", B), {}))
-    assert all("different token counts" in m for m in w._collect(range(3), 120))
+    assert all("entered the same DCP call differently" in m for m in w._collect(range(3), 120))
     w.run(rc.close_comm, "to")
     w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
     res = w.run(rc.expect_timeout, "to", ranks=[0], timeout=120)[0]
     assert res["missing"] == [1, 2] and res["elapsed"] < 1.0 + 2.0, res
+    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
     assert "timed out" in w.run(rc.watchdog_sees_timeout, "to", ranks=[0], timeout=120)[0]
     w.run(rc.close_comm, "to")
 
