@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
+from dcp.protocol import call_tag
+from kernels import KIND_COMBINE
 from dcp.reference import make_inputs
 from dcp.spawn import World
 from bench.ranks import Marks, calibrate, held_run
@@ -47,15 +49,16 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     y = torch.empty((B, comm.heads_per_rank, head_dim), dtype=comm.dtype, device=comm.device)
     t, scratch = comm._transport, comm._lse_scratch
     key, strides = comm._operands(po, pl, y, None)
+    tag = call_tag(KIND_COMBINE, B)
     one = torch.zeros(1, device=comm.device)
     cuda = comm.device.type == "cuda"
     steps = {
         "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
         HELD_STEP: lambda: comm.lse_reduce(po, pl, out=y),
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
-        "  _validate": lambda: comm._validate(po, pl, y, None, 0),
+        "  _validate": lambda: comm._validate(po, pl, y, None),
         "  _operands": lambda: comm._operands(po, pl, y, None),
-        "  transport.launch": lambda: t.launch(key, strides, po, pl, y, scratch, B, 0, False, True),
+        "  transport.launch": lambda: t.launch(key, strides, po, pl, y, scratch, B, tag, 0, False, True),
         "for scale: a 1-element torch add_": lambda: one.add_(1),
         "empty step (timer only)": lambda: None,
     }

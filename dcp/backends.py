@@ -18,7 +18,7 @@ from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TAG_LOAD
                      TRACE_WORDS, build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
-from dcp.errors import DcpError
+from dcp.errors import DcpError, DcpPeerLostError
 from dcp.protocol import SMALL_CALL_WARPS, ChannelLayout, status_error, status_words
 
 _LOG2E = 1.4426950408889634
@@ -219,7 +219,10 @@ class NcclTransport:
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         # The group's first collective sets up its communicator: here, not inside a capture.
-        dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
+        try:
+            dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
+        except Exception as exc:
+            raise DcpPeerLostError(f"NCCL path setup: the group's all-to-all failed ({type(exc).__name__}: {exc})")
 
     def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e) -> None:
         """``tag`` is not exchanged: this path pairs calls by the group's collective order."""

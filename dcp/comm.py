@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from kernels import KIND_COMBINE, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
 from dcp.backends import NcclTransport, TritonTransport
-from dcp.errors import DcpError
+from dcp.errors import DcpError, DcpPeerLostError
 from dcp.protocol import POISONED_NOTE, ChannelLayout, call_tag
 from dcp.rendezvous import agree, all_gather, barrier
 
@@ -283,7 +283,7 @@ class DcpAllToAll:
                                             self.tracing, self.pdl)
                 reason = "requested" if requested == "triton" else "every rank reaches every peer's buffer"
             except DcpError as exc:  # raised on every rank alike: the fallback is collective too
-                if requested == "triton":
+                if requested == "triton" or isinstance(exc, DcpPeerLostError):
                     raise
                 reason = f"buffer setup failed: {exc}"
         if transport is None:
@@ -416,7 +416,11 @@ class DcpAllToAll:
         finally:
             busy.release()
         if check if check is not None else self.check_calls:
-            self.check(synchronize=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            error = self._transport.error(channel)  # this call's own failure (or the first before it)
+            if error is not None:
+                raise error
         return (y, y_lse) if return_lse else y
 
     def _enter(self, channel) -> threading.Lock:

@@ -14,4 +14,13 @@ class DcpTimeoutError(DcpError):
 
 
 class DcpMismatchError(DcpError):
-    """Ranks entered the same call with different token counts (a caller bug)."""
+    """Ranks entered the same call differently: other token counts, or a rank that rejected its
+    call or had failed an earlier one. ``missing_ranks``: those that sent nothing of the call."""
+
+    def __init__(self, message: str, missing_ranks: list[int] = ()):
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks)
+
+
+class DcpPeerLostError(DcpError):
+    """A collective step of setup failed because a peer died or left the group."""

@@ -169,8 +169,8 @@ def status_error(words: "ctypes.Array", world: int, rank: int, channel: int) -> 
             "call were written as NaN", missing)
     if code == STATUS_MISMATCH:
         other = "; ".join(f"rank {r} {describe_tag(t)}" for r, t in announced.items()
-                          if r != rank and t != own and t != TAG_NONE)
+                          if r != rank and t != own)
         return DcpMismatchError(
             f"ranks entered the same DCP call differently: this rank ran a {describe_tag(own)}; "
-            f"{other} ({where}); its rows were written as NaN")
+            f"{other} ({where}); its rows were written as NaN", missing)
     return DcpTimeoutError(f"DCP all-to-all failed with status {code} ({where})", missing)

@@ -8,11 +8,11 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from dcp.errors import DcpError
+from dcp.errors import DcpError, DcpPeerLostError
 
 
 def _lost(what: str, exc: Exception) -> DcpError:
-    return DcpError(f"{what}: a peer failed or left the group ({type(exc).__name__}: {exc})")
+    return DcpPeerLostError(f"{what}: a peer failed or left the group ({type(exc).__name__}: {exc})")
 
 
 def all_gather(group: dist.ProcessGroup, obj: Any, what: str = "a collective setup step") -> list:

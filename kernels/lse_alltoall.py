@@ -293,9 +293,10 @@ def lse_alltoall_kernel(
             # After one failed wait the call is lost: later tiles look once and give up.
             timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
             t += G
-        if (code > 0) & (tag != _TAG_POISONED):
-            # Retract this program's flags of the failed call: a peer that comes late (it may have
-            # skipped a call) must find a poisoned channel, not rows it would take for its own call.
+        if (code == _TIMEOUT) & (tag != _TAG_POISONED):
+            # Retract this program's flags of the timed-out call: a peer that comes late (it may
+            # have skipped a call) must find a poisoned channel, not rows it would take for its own
+            # call. (After a mismatch the flags stay: the late peer sees the difference itself.)
             retracted = (tl.full([], _TAG_POISONED, tl.int64) << 32) | e.to(tl.int64)
             _fence(e, GPU_SCOPE)
             t = pid

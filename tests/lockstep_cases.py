@@ -1,0 +1,274 @@
+"""Rank functions of the lockstep tests: what a careless or unlucky caller does to one rank.
+
+Each returns what the test asserts on; a call that should have raised and did not fails here.
+"""
+
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from dcp import DcpAllToAll, DcpError, DcpMismatchError
+from dcp.reference import chunk_reference, make_inputs, max_rel_error
+from tests.rank_cases import DTYPES, TOL, shm_segments
+
+
+def _inputs(comm: DcpAllToAll, seed: int, B: int, **kw):
+    outs, lses = make_inputs(seed, comm.world, B, comm.num_heads, comm.head_dim, comm.dtype, **kw)
+    return outs, lses, outs[comm.rank].to(comm.device), lses[comm.rank].to(comm.device)
+
+
+def _checked_call(comm: DcpAllToAll, seed: int, B: int, channel: int = 0) -> float:
+    """A correct call on fresh inputs, into a poisoned ``out``; returns its error against float64."""
+    outs, lses, po, pl = _inputs(comm, seed, B, special=True)
+    out = torch.full((B, comm.heads_per_rank, comm.head_dim), float("nan"), dtype=comm.dtype, device=comm.device)
+    comm.lse_reduce(po, pl, out=out, channel=channel, check=True)
+    ref, _ = chunk_reference(outs, lses, comm.rank, comm.heads_per_rank)
+    y = out.double().cpu()
+    assert torch.isfinite(y).all(), "unwritten or NaN rows"
+    err = max_rel_error(y, ref) if B else 0.0
+    assert err <= TOL[comm.dtype], f"rank {comm.rank}: error {err}"
+    return err
+
+
+def _raises(fn, types=(DcpError,)) -> str:
+    try:
+        fn()
+    except types as exc:
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError(f"expected {[t.__name__ for t in types]}, but the call returned")
+
+
+def _then_poisoned(comm: DcpAllToAll, seed: int, B: int = 2, channel: int = 0) -> str:
+    """The next correct call on the channel must raise, on every rank, and leave ``out`` alone."""
+    outs, lses, po, pl = _inputs(comm, seed, B)
+    out = torch.full((B, comm.heads_per_rank, comm.head_dim), 7.0, dtype=comm.dtype, device=comm.device)
+    msg = _raises(lambda: comm.lse_reduce(po, pl, out=out, channel=channel, check=True))
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize()
+    return msg
+
+
+def rejecting_rank(state, key: str, seed: int, bad_rank: int, B: int = 3) -> dict:
+    """``bad_rank`` passes a wrong dtype; the others a correct call. Then everyone a correct call."""
+    comm: DcpAllToAll = state[key]
+    outs, lses, po, pl = _inputs(comm, seed, B)
+    other = torch.float16 if comm.dtype == torch.bfloat16 else torch.bfloat16
+    t0 = time.monotonic()
+    if comm.rank == bad_rank:
+        first = _raises(lambda: comm.lse_reduce(po.to(other), pl, check=True), (TypeError,))
+    else:
+        first = _raises(lambda: comm.lse_reduce(po, pl, check=True), (DcpMismatchError,))
+    return {"first": first, "elapsed": time.monotonic() - t0, "next": _then_poisoned(comm, seed + 1)}
+
+
+def every_rank_rejects(state, key: str, seed: int) -> float:
+    """The same bad call on every rank: all raise, nobody is out of step, the next call is exact."""
+    comm: DcpAllToAll = state[key]
+    _, _, po, pl = _inputs(comm, seed, 2)
+    _raises(lambda: comm.lse_reduce(po, pl.double()), (TypeError,))
+    buf = torch.empty((3, comm.num_heads, comm.head_dim), dtype=comm.dtype, device=comm.device)
+    buf[1:].copy_(po)
+    # out overlaps the input shifted by one token: refused, on every rank alike
+    _raises(lambda: comm.lse_reduce(buf[1:], pl, out=buf[:2, :comm.heads_per_rank]), (ValueError,))
+    return _checked_call(comm, seed + 1, 5)
+
+
+def rank_sizes(state, key: str, seed: int, sizes: list) -> dict:
+    """Rank r calls with B = sizes[r]; every rank must raise (a mismatch), then stay poisoned."""
+    comm: DcpAllToAll = state[key]
+    B = sizes[comm.rank]
+    outs, lses, po, pl = _inputs(comm, seed, max(sizes))
+    t0 = time.monotonic()
+    first = _raises(lambda: comm.lse_reduce(po[:B], pl[:B], check=True), (DcpMismatchError,))
+    return {"first": first, "elapsed": time.monotonic() - t0, "next": _then_poisoned(comm, seed + 1)}
+
+
+def everyone_empty(state, key: str, seed: int) -> float:
+    """B = 0 on every rank: an empty result, and the channel stays in step."""
+    comm: DcpAllToAll = state[key]
+    _, _, po, pl = _inputs(comm, seed, 0)
+    y, yl = comm.lse_reduce(po, pl, return_lse=True)
+    assert y.shape == (0, comm.heads_per_rank, comm.head_dim) and yl.shape == (0, comm.heads_per_rank)
+    return _checked_call(comm, seed + 1, 3)
+
+
+def _until(pred, what: str, limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+def _inside_a_call(comm: DcpAllToAll, channel: int = 0) -> None:
+    """Wait until another thread of this process holds the channel (it is inside a call)."""
+    _until(lambda: comm._busy[channel].locked(), "the other thread is inside its call")
+    if comm.device.type == "cpu":
+        import dcp.backends
+        _until(dcp.backends._INTERPRETER.locked, "the other thread's kernel runs")
+
+
+def _delayed_peer_call(comm: DcpAllToAll, seed: int, B: int, delay_s: float, channel: int = 0) -> float:
+    time.sleep(delay_s)
+    return _checked_call(comm, seed, B, channel)
+
+
+def two_threads_one_channel(state, key: str, seed: int) -> dict:
+    """Rank 0 calls from two threads on one channel while rank 1 is late: the second call is refused,
+    the first still pairs with rank 1's call exactly, and the channel is poisoned afterwards."""
+    comm: DcpAllToAll = state[key]
+    if comm.rank != 0:
+        return {"first": _delayed_peer_call(comm, seed, 2, 3.0), "next": _then_poisoned(comm, seed + 1)}
+    results: dict = {}
+    worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2)))
+    worker.start()
+    _inside_a_call(comm)
+    _, _, po, pl = _inputs(comm, seed + 5, 2)
+    refused = _raises(lambda: comm.lse_reduce(po, pl))
+    worker.join(60)
+    assert "err" in results, "the first thread's call did not finish correctly"
+    return {"first": results["err"], "refused": refused, "next": _then_poisoned(comm, seed + 1)}
+
+
+def two_threads_two_channels_cpu(state, key: str, seed: int) -> dict:
+    """On the CPU one kernel runs at a time per process: a call on channel 1 while another thread's
+    call on channel 0 runs is refused, channel 1 is poisoned (on every rank from its next call), and
+    channel 0 goes on."""
+    comm: DcpAllToAll = state[key]
+    if comm.rank != 0:
+        first = _delayed_peer_call(comm, seed, 2, 3.0, channel=0)
+        _, _, po, pl = _inputs(comm, seed + 2, 2)
+        ch1 = _raises(lambda: comm.lse_reduce(po, pl, channel=1, check=True), (DcpMismatchError,))
+        return {"first": first, "ch1": ch1, "ch0_after": _checked_call(comm, seed + 3, 3, channel=0)}
+    results: dict = {}
+    worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2, channel=0)))
+    worker.start()
+    _inside_a_call(comm)
+    _, _, po, pl = _inputs(comm, seed + 2, 2)
+    refused = _raises(lambda: comm.lse_reduce(po, pl, channel=1))
+    worker.join(60)
+    assert "err" in results, "the channel-0 call did not finish correctly"
+    ch1 = _then_poisoned(comm, seed + 2, channel=1)
+    return {"first": results["err"], "refused": refused, "ch1": ch1,
+            "ch0_after": _checked_call(comm, seed + 3, 3, channel=0)}
+
+
+def near_dtype_max(state, key: str, seed: int) -> dict:
+    """Partial outputs near bf16's maximum with equal LSEs: the exact mean is finite."""
+    comm: DcpAllToAll = state[key]
+    B, H, D = 3, comm.num_heads, comm.head_dim
+    g = torch.Generator().manual_seed(seed)
+    big = torch.finfo(comm.dtype).max
+    outs = [((0.9 + 0.1 * torch.rand(B, H, D, generator=g)) * big * torch.sign(torch.randn(B, H, D, generator=g)))
+            .to(comm.dtype) for _ in range(comm.world)]
+    lses = [torch.full((B, H), 1.5) for _ in range(comm.world)]
+    lses[0][0] += 1e-3  # one row with unequal weights too
+    y = comm.lse_reduce(outs[comm.rank].to(comm.device), lses[comm.rank].to(comm.device), check=True)
+    ref, _ = chunk_reference(outs, lses, comm.rank, comm.heads_per_rank)
+    y64 = y.double().cpu()
+    return {"finite": bool(torch.isfinite(y64).all()), "ref_finite": bool(torch.isfinite(ref).all()),
+            "err": max_rel_error(y64 / big, ref / big)}
+
+
+def close_while_calling(state, key: str, seed: int) -> dict:
+    """Rank 0 closes from its main thread while another of its threads is inside a call (rank 1 is
+    late): close waits for that call, which still returns its exact result."""
+    comm: DcpAllToAll = state.pop(key)
+    if comm.rank != 0:
+        err = _delayed_peer_call(comm, seed, 2, 3.0)
+        comm.close()
+        return {"err": err, "closed": comm._closed}
+    results: dict = {}
+    worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2)))
+    worker.start()
+    _inside_a_call(comm)
+    comm.close()
+    worker.join(60)
+    assert "err" in results, "the call in flight did not finish correctly"
+    return {"err": results["err"], "closed": comm._closed}
+
+
+def close_from_on_error(state, timeout_s: float) -> dict:
+    """Only rank 0 calls, so it times out; the watchdog's ``on_error`` closes the communicator."""
+    n = dist.get_world_size()
+    comm = DcpAllToAll(dist.group.WORLD, max_tokens=4, num_heads=2 * n, head_dim=16, timeout_s=timeout_s)
+    if comm.rank != 0:
+        time.sleep(timeout_s + 2)
+        comm.close()
+        return {}
+    done, errors, seen = threading.Event(), [], []
+
+    def on_error(exc):
+        seen.append(str(exc))
+        try:
+            comm.close()
+        except BaseException as e:  # what the issue saw: "cannot join current thread"
+            errors.append(repr(e))
+        done.set()
+
+    comm.start_watchdog(0.05, on_error)
+    _, _, po, pl = _inputs(comm, 1, 1)
+    comm.lse_reduce(po, pl, check=False)
+    assert done.wait(timeout_s + 30), "the watchdog did not report the timeout"
+    return {"seen": seen, "errors": errors, "closed": comm._closed,
+            "released": comm._transport.regions == [] and comm._transport.status_addr == 0}
+
+
+def construct_dying(state, die_rank: int) -> dict:
+    """``die_rank`` exits while mapping its peers' segments (its own exists by then); the others
+    must get a DcpError, and no segment may be left behind."""
+    from unittest import mock
+
+    import dcp.buffers
+
+    n = dist.get_world_size()
+    if dist.get_rank() == die_rank:
+        real = dcp.buffers.HostShmProvider._map
+
+        def dying(path, nbytes, releases, create):
+            if not create:
+                import os
+                os._exit(17)
+            return real(path, nbytes, releases, create)
+        mock.patch.object(dcp.buffers.HostShmProvider, "_map", staticmethod(dying)).start()
+    msg = _raises(lambda: DcpAllToAll(dist.group.WORLD, max_tokens=4, num_heads=2 * n, head_dim=16))
+    return {"message": msg, "segments": shm_segments()}
+
+
+def construct_per_rank(state, per_rank: dict, **common) -> str:
+    """Construct with rank-specific arguments (``per_rank[rank]``) on top of ``common``; returns the
+    message of the DcpError that every rank must raise."""
+    kwargs = dict(common, **per_rank.get(dist.get_rank(), {}))
+    kwargs["dtype"] = DTYPES[kwargs.get("dtype", "bfloat16")]
+    before = shm_segments()
+    t0 = time.monotonic()
+    msg = _raises(lambda: DcpAllToAll(dist.group.WORLD, **kwargs))
+    assert time.monotonic() - t0 < 60, "construction took a timeout to fail"
+    assert shm_segments() == before, "a failed construction left shared memory behind"
+    return msg
+
+
+def integer_like_arguments(state, seed: int) -> float:
+    """numpy integers are integers; a call on the result is exact."""
+    import numpy as np
+
+    n = dist.get_world_size()
+    state["np"] = DcpAllToAll(dist.group.WORLD, max_tokens=np.int64(4), num_heads=np.int32(2 * n),
+                              head_dim=np.int64(16), channels=np.int64(1), timeout_s=np.float32(30))
+    try:
+        return _checked_call(state["np"], seed, 3)
+    finally:
+        state.pop("np").close()
+
+
+def outside_the_subgroup(state, seed: int) -> str:
+    """Ranks 0 and 1 build on a subgroup of the three; rank 2, not a member, is told so clearly."""
+    sub = dist.new_group([0, 1])
+    if dist.get_rank() == 2:
+        return _raises(lambda: DcpAllToAll(sub, max_tokens=4, num_heads=4, head_dim=16))
+    comm = DcpAllToAll(sub, max_tokens=4, num_heads=4, head_dim=16)
+    try:
+        return f"ok {_checked_call(comm, seed, 3)}"
+    finally:
+        comm.close()
