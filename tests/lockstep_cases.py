@@ -272,3 +272,31 @@ def outside_the_subgroup(state, seed: int) -> str:
         return f"ok {_checked_call(comm, seed, 3)}"
     finally:
         comm.close()
+
+
+def graph_after_poison(state, key: str, seed: int) -> dict:
+    """A captured call replays exactly; after a mismatch poisons the channel, a replay (no host code
+    runs) writes NaN rows instead of rows of any call, and the failure stays recorded."""
+    comm: DcpAllToAll = state[key]
+    B = 2
+    outs, lses, po, pl = _inputs(comm, seed, B)
+    y = torch.empty((B, comm.heads_per_rank, comm.head_dim), dtype=comm.dtype, device=comm.device)
+    comm.lse_reduce(po, pl, out=y)
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        comm.lse_reduce(po, pl, out=y)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = chunk_reference(outs, lses, comm.rank, comm.heads_per_rank)
+    err = max_rel_error(y, ref)
+    assert err <= TOL[comm.dtype], err
+    Bm = 1 if comm.rank == 0 else 2
+    mismatch = _raises(lambda: comm.lse_reduce(po[:Bm], pl[:Bm], check=True), (DcpMismatchError,))
+    y.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    return {"err": err, "mismatch": mismatch, "nan_after": bool(torch.isnan(y.float()).all()),
+            "recorded": comm._transport.error(0) is not None}

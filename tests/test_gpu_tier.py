@@ -5,9 +5,11 @@ import os
 import pytest
 import torch
 
+from dcp.protocol import POISONED_NOTE
 from dcp.spawn import World
 from kernels import EPOCH_PERIOD
 
+from tests import lockstep_cases as lc
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
 
@@ -96,6 +98,31 @@ def test_timeouts_mismatch_and_watchdog_gpu(worlds):
     w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
     assert "timed out" in w.run(rc.watchdog_sees_timeout, "to", ranks=[0], timeout=120)[0]
     w.run(rc.close_comm, "to")
+
+
+def test_lockstep_cases_gpu(worlds):
+    """The protocol cases of tests/test_lockstep.py on N processes of the GPU: a rank rejecting its
+    call, B = 0 on one rank, sizes differing by whole chunks; each fails every rank at once and
+    poisons the channel; a call every rank rejects, and B = 0 everywhere, leave it in step."""
+    w = worlds(3, "cuda")
+    make = lambda: w.run(rc.make_comm, "ls", device="cuda", max_tokens=4, num_heads=12, head_dim=64,
+                         timeout_s=30.0)
+    for sizes in ([0, 2, 2], [8, 4, 4]):
+        make()
+        res = w.run(lc.rank_sizes, "ls", fresh_seed(), sizes=sizes)
+        assert all("entered the same DCP call differently" in r["first"] and r["elapsed"] < 10 for r in res), res
+        assert all(POISONED_NOTE in r["next"] for r in res), res
+    make()
+    res = w.run(lc.rejecting_rank, "ls", fresh_seed(), bad_rank=1)
+    assert res[1]["first"].startswith("TypeError")
+    assert all("rank 1 rejected its call before launch" in r["first"] and r["elapsed"] < 10 for r in (res[0], res[2]))
+    make()
+    assert all(e <= rc.TOL[torch.bfloat16] for e in w.run(lc.every_rank_rejects, "ls", fresh_seed()))
+    assert all(e <= rc.TOL[torch.bfloat16] for e in w.run(lc.everyone_empty, "ls", fresh_seed()))
+    assert all(r["finite"] for r in w.run(lc.near_dtype_max, "ls", fresh_seed()))
+    res = w.run(lc.graph_after_poison, "ls", fresh_seed())
+    assert all(r["nan_after"] and r["recorded"] for r in res), res
+    w.run(rc.close_comm, "ls")
 
 
 def test_peer_death_gpu():

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from dcp.protocol import POISONED_NOTE
 from dcp.spawn import World
 from tests import lockstep_cases as lc
 from tests import rank_cases as rc
@@ -26,7 +27,7 @@ def _comm(w, key="ls", **kw):
 
 def _poisoned_everywhere(results):
     for r in results:
-        assert "poisoned" in r["next"] or "already failed" in r["next"] or "rebuilt" in r["next"], r["next"]
+        assert POISONED_NOTE in r["next"], r["next"]
 
 
 @pytest.mark.parametrize("n", [2, 3])
