@@ -14,12 +14,12 @@ import torch.distributed as dist
 from triton import knobs
 from triton.runtime import driver
 
-from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TAG_LOAD, TRACE_CALLS, TRACE_PROGRAMS,
-                     TRACE_WORDS, build_kernels)
+from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, KIND_COMBINE, KIND_GATHER, STATUS_WORDS, TAG_KIND_SHIFT,
+                     TAG_LOAD, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS, build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
 from dcp.errors import DcpError, DcpPeerLostError
-from dcp.protocol import SMALL_CALL_WARPS, ChannelLayout, status_error, status_words
+from dcp.protocol import SMALL_CALL_WARPS, ChannelLayout, ChannelRegion, status_error, status_words
 
 _LOG2E = 1.4426950408889634
 _data_ptr = torch.Tensor.data_ptr
@@ -95,20 +95,25 @@ class TritonTransport:
 
     name = "triton"
 
-    def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
+    def __init__(self, group: dist.ProcessGroup, layouts: dict, region: ChannelRegion, device: torch.device,
                  channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool, pdl: bool):
-        self.group, self.layout, self.device = group, layout, device
+        """``layouts``: kind (KIND_COMBINE, KIND_GATHER) -> its ChannelLayout on ``region``."""
+        self.group, self.layout, self.region, self.device = group, layouts[KIND_COMBINE], region, device
         self.rank = dist.get_rank(group)
         kernel = build_kernels(interpret=device.type == "cpu").fused
-        early = {w: pdl and layout.launches_early(w) for w in layout.tilings}
-        self.fused = {w: _Launcher(kernel, device, dict(layout.constexprs(w), GPU_SCOPE=gpu_scope, TRACE=trace,
-                                                        PDL=early[w]),
-                                   dict(num_warps=w, launch_pdl=early[w])) for w in layout.tilings}
-        self.tilings = tuple(self.fused)
-        # By call size (index B - 1 for B = 1 to max_tokens): its tiling's launcher and its grid,
-        # at most ``max_programs`` (all of them resident at once) and never more than tiles.
-        self.plan = [(self.fused[w], min(layout.tiles(n, w), max_programs, EPOCH_STRIDE))
-                     for n, w in enumerate(layout.warps_by_size, 1)]
+        # (kind, warps) -> its launcher; by kind, by call size (index B - 1 for B = 1 to max_tokens):
+        # its tiling's launcher and its grid, at most ``max_programs`` (all of them resident at once)
+        # and never more than tiles.
+        self.fused, self.plan = {}, {}
+        for kind, layout in layouts.items():
+            for w in layout.tilings:
+                early = pdl and layout.launches_early(w)
+                self.fused[kind, w] = _Launcher(kernel, device, dict(region.constexprs(layout, w), GPU_SCOPE=gpu_scope,
+                                                                     TRACE=trace, PDL=early),
+                                                dict(num_warps=w, launch_pdl=early))
+            self.plan[kind] = [(self.fused[kind, w], min(layout.tiles(n, w), max_programs, EPOCH_STRIDE))
+                               for n, w in enumerate(layout.warps_by_size, 1)]
+        self.tilings = tuple(self.fused)  # (kind, warps) pairs
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)
                        for _ in range(channels if trace else 0)]
         self.regions: list[SymmetricRegion] = []
@@ -117,12 +122,12 @@ class TritonTransport:
         self.provider = provider.name
         try:
             for _ in range(channels):
-                self.regions.append(provider.open(group, layout.nbytes))
+                self.regions.append(provider.open(group, region.nbytes))
             self._alloc_status(channels)
             self.status = [status_words(self.status_addr + 4 * STATUS_WORDS * c) for c in range(channels)]
             self.ctl = []
             for c, region in enumerate(self.regions):
-                words = list(region.peers) + [0] * (CTL_STATUS - layout.world)
+                words = list(region.peers) + [0] * (CTL_STATUS - self.layout.world)
                 words += [self.status_addr + 4 * STATUS_WORDS * c, int(timeout_s * 1e9),
                           self.traces[c].data_ptr() if self.traces else 0]
                 self.ctl.append(torch.tensor(words[:CTL_WORDS], dtype=torch.int64, device=device))
@@ -142,21 +147,24 @@ class TritonTransport:
     def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e,
                plan=None) -> None:
         """``strides``: the kernel's eight stride arguments (``DcpAllToAll._operands``); ``tag``: the
-        call's (``dcp.protocol.call_tag``), the same for every launch of one call."""
-        fused, grid = plan or self.plan[max(n_tokens, 1) - 1]
+        call's (``dcp.protocol.call_tag``), the same for every launch of one call; it picks the
+        collective (announcements, which move no data, take the combine's)."""
+        fused, grid = plan or self.plan[tag >> TAG_KIND_SHIFT if tag >= 0 else KIND_COMBINE][max(n_tokens, 1) - 1]
         fused(variant, grid, (po, lse, y, y_lse, self.ctl[channel]), n_tokens, tag, self.rank, *strides,
               int(write_lse), _LOG2E if base_e else 1.0)
 
-    def tiling(self, n_tokens: int) -> tuple:
-        options = self.plan[n_tokens - 1][0].options
+    def tiling(self, n_tokens: int, kind: int = KIND_COMBINE) -> tuple:
+        options = self.plan[kind][n_tokens - 1][0].options
         return options["num_warps"], options["launch_pdl"]
 
-    def load(self, variant, strides, po, lse, y, y_lse, tilings=None) -> None:
-        """Compile and load a variant in each tiling (default: all), with launches that touch nothing
-        (B = 0). CPU tensors are interpreted: nothing to load."""
+    def load(self, kind, variant, strides, po, lse, y, y_lse, tilings=None) -> None:
+        """Compile and load a variant of one collective in each of its tilings (``tilings``: warps;
+        default all), with launches that touch nothing. CPU tensors are interpreted: nothing to load."""
         if self.device.type == "cuda":
-            for w in tilings or self.tilings:
-                self.launch(variant, strides, po, lse, y, y_lse, 0, TAG_LOAD, 0, False, True, (self.fused[w], 1))
+            for k, w in self.tilings:
+                if k == kind and (tilings is None or w in tilings):
+                    self.launch(variant, strides, po, lse, y, y_lse, 0, TAG_LOAD, 0, False, True,
+                                (self.fused[k, w], 1))
 
     def trace_records(self, channel: int) -> torch.Tensor:
         """The traced calls' records, by epoch: int64 [calls, programs, TRACE_WORDS]."""
@@ -181,7 +189,7 @@ class TritonTransport:
             ctypes.memmove(addr, ctypes.addressof(value), 4)
 
     def memory_bytes(self) -> int:
-        return self.layout.nbytes
+        return self.region.nbytes
 
     def close(self) -> None:
         for region in self.regions:
@@ -193,39 +201,46 @@ class TritonTransport:
 
 
 class NcclTransport:
-    """Pack kernel, the group's ``all_to_all_single``, combine kernel: three steps per call.
+    """The reference path. Combine: pack kernel, the group's ``all_to_all_single``, combine kernel
+    (three steps per call). Query all-gather: a copy into the send buffer, the group's
+    ``all_gather_into_tensor``, a copy out in head order.
 
     Its send and receive buffers are allocated here, once, so capture allocates nothing either.
-    On CPU the group's own all-to-all (gloo) serves.
+    On CPU the group's own collectives (gloo) serve.
     """
 
     name = "nccl"
     provider = "process-group"
 
-    def __init__(self, group: dist.ProcessGroup, layout: ChannelLayout, device: torch.device,
-                 channels: int):
-        self.group, self.layout, self.device = group, layout, device
+    def __init__(self, group: dist.ProcessGroup, layouts: dict, device: torch.device, channels: int):
+        self.group, self.layout, self.device = group, layouts[KIND_COMBINE], device
+        self.gather_layout = gl = layouts[KIND_GATHER]
+        layout = self.layout
         kernels = build_kernels(interpret=device.type == "cpu")
         # One tiling: these kernels never wait, so size matters less.
         self.warps = warps = layout.num_warps or SMALL_CALL_WARPS
-        self.tilings = (warps,)
+        self.tilings = ((KIND_COMBINE, warps),)
         # By call size (index B, 0 for a load-only launch): its grid and the int32 words it sends
         # (gloo has no int16).
         self.plan = [(max(1, layout.tiles(n, warps)), layout.world * n * layout.heads_per_rank * layout.row_elems // 2)
                      for n in range(layout.max_tokens + 1)]
         self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), dict(num_warps=warps))
         self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), dict(num_warps=warps))
-        words = self.plan[-1][1]
+        words = max(self.plan[-1][1], gl.world * gl.rows_max * gl.head_dim // 2)
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
-        # The group's first collective sets up its communicator: here, not inside a capture.
+        # The group's first collectives set up its communicator: here, not inside a capture.
         try:
             dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
+            dist.all_gather_into_tensor(self.recv[0][:layout.world], self.send[0][:1], group=group)
         except Exception as exc:
-            raise DcpPeerLostError(f"NCCL path setup: the group's all-to-all failed ({type(exc).__name__}: {exc})")
+            raise DcpPeerLostError(f"NCCL path setup: the group's collectives failed ({type(exc).__name__}: {exc})")
 
     def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e) -> None:
         """``tag`` is not exchanged: this path pairs calls by the group's collective order."""
+        if tag >= 0 and tag >> TAG_KIND_SHIFT == KIND_GATHER:
+            self._gather(po, y, n_tokens, channel)
+            return
         grid, used = self.plan[n_tokens]
         send, recv = self.send[channel][:used], self.recv[channel][:used]
         self.pack(variant, grid, (po, lse, send), n_tokens, *strides[:4])
@@ -234,13 +249,24 @@ class NcclTransport:
         self.combine(variant, grid, (recv, y, y_lse), n_tokens, *strides[4:], int(write_lse),
                      _LOG2E if base_e else 1.0)
 
-    def tiling(self, n_tokens: int) -> tuple:
+    def _gather(self, q16: torch.Tensor, y16: torch.Tensor, n_tokens: int, channel: int) -> None:
+        """``q16`` [B, H/N, W] and ``y16`` [B, H, W]: 16-bit words of the query rows."""
+        if n_tokens == 0:
+            return
+        n, hn, w = self.gather_layout.world, self.gather_layout.heads_per_rank, self.gather_layout.head_dim
+        words = n_tokens * hn * w // 2
+        send, recv = self.send[channel][:words], self.recv[channel][:n * words]
+        send.view(torch.int16).view(n_tokens, hn, w).copy_(q16)
+        dist.all_gather_into_tensor(recv, send, group=self.group)
+        y16.unflatten(1, (n, hn)).copy_(recv.view(torch.int16).view(n, n_tokens, hn, w).transpose(0, 1))
+
+    def tiling(self, n_tokens: int, kind: int = KIND_COMBINE) -> tuple:
         return self.warps, False
 
-    def load(self, variant, strides, po, lse, y, y_lse, tilings=None) -> None:
-        """Compile and load a variant with launches of no rows (and no exchange), in the one tiling
-        there is (``tilings``: None or ``self.tilings``). CPU tensors are interpreted: nothing to load."""
-        if self.device.type == "cuda":
+    def load(self, kind, variant, strides, po, lse, y, y_lse, tilings=None) -> None:
+        """Compile and load a combine variant with launches of no rows (and no exchange), in the one
+        tiling there is. The gather runs no kernel of its own. CPU tensors are interpreted."""
+        if self.device.type == "cuda" and kind == KIND_COMBINE:
             self.launch(variant, strides, po, lse, y, y_lse, 0, TAG_LOAD, 0, False, True)
 
     def error(self, channel: int) -> Optional[DcpError]:

@@ -12,21 +12,22 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from kernels import KIND_COMBINE, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
+from kernels import KIND_COMBINE, KIND_GATHER, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
 from dcp.backends import NcclTransport, TritonTransport
 from dcp.errors import DcpError, DcpPeerLostError
-from dcp.protocol import POISONED_NOTE, ChannelLayout, call_tag
+from dcp.protocol import POISONED_NOTE, ChannelLayout, ChannelRegion, call_tag
 from dcp.rendezvous import agree, all_gather, barrier
 
 log = logging.getLogger("dcp")
 
 LSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float16, torch.bfloat16)
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 BACKENDS = ("auto", "triton", "nccl")
 MAX_HEAD_DIM = 1024
 DEFAULT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}
 MAX_TIMEOUT_S = 86400.0
-_INT_ARGS = ("max_tokens", "num_heads", "head_dim", "channels")
+_INT_ARGS = ("max_tokens", "num_heads", "head_dim", "channels", "query_dim")
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -67,6 +68,16 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch._C._overlaps(a, b))
 
 
+def _words(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A query tensor as 16-bit words (what the gather moves), or raise naming it."""
+    _unit_last_stride(name, t, t.stride(-1))
+    try:
+        return t.view(torch.int16)
+    except RuntimeError:
+        raise ValueError(f"{name}: expected strides that are whole 16-bit words, got strides {tuple(t.stride())} "
+                         f"of {t.dtype}") from None
+
+
 def _unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
     if stride != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
@@ -103,7 +114,8 @@ class DcpAllToAll:
                  device: Optional[Union[torch.device, str, int]] = None, *,
                  backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
                  max_programs: Optional[int] = None, num_warps: Optional[int] = None,
-                 pdl: Optional[bool] = None, check: Optional[bool] = None):
+                 pdl: Optional[bool] = None, check: Optional[bool] = None,
+                 query_dim: Optional[int] = None, query_dtype: Optional[torch.dtype] = None):
         self._closed = True
         self.group = group
         self.rank = dist.get_rank(group)
@@ -114,10 +126,12 @@ class DcpAllToAll:
         # acts on it, so that a bad argument on one rank fails construction on every rank alike.
         requested = backend if backend is not None else os.environ.get("DCP_A2A_BACKEND", "auto")
         self.dtype, self.num_warps, self.max_programs, self.pdl = dtype, num_warps, max_programs, pdl
-        self.max_tokens = self.num_heads = self.head_dim = self.channels = 0
+        self.max_tokens = self.num_heads = self.head_dim = self.channels = self.query_dim = 0
+        self.query_dtype = query_dtype if query_dtype is not None else dtype
         self.device, self.timeout_s, self._has_pdl, where = torch.device("cpu"), 0.0, False, ""
         try:
-            error = self._set_arguments(max_tokens, num_heads, head_dim, channels, device, timeout_s, requested)
+            error = self._set_arguments(max_tokens, num_heads, head_dim, channels, device, timeout_s, requested,
+                                        head_dim if query_dim is None else query_dim)
             if error is None:
                 where = self._where()
         except Exception as exc:  # anything unexpected is reported to every rank too
@@ -128,17 +142,24 @@ class DcpAllToAll:
         self.check_calls = bool(check) if check is not None else (env_check or self.device.type == "cpu")
         self.tracing = os.environ.get("DCP_A2A_TRACE", "0") not in ("", "0")
         geometry = (self.max_tokens, self.num_heads, self.head_dim, str(dtype), self.channels, self.world,
-                    requested, self.num_warps)
+                    requested, self.num_warps, self.query_dim, str(self.query_dtype))
         facts = all_gather(group, (geometry, error, where, self.device.index), "DcpAllToAll construction")
         agree(group, facts[self.rank][1], "DcpAllToAll construction", errors=[f[1] for f in facts])
         if any(f[0] != geometry for f in facts):
             raise DcpError("ranks disagree on the DcpAllToAll geometry (max_tokens, num_heads, head_dim, "
-                           f"dtype, channels, world, backend, num_warps): {[f[0] for f in facts]}")
+                           "dtype, channels, world, backend, num_warps, query_dim, query_dtype): "
+                           f"{[f[0] for f in facts]}")
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
         self.max_programs = max_programs or self._default_programs()
         # Every rank must tile a call alike: small calls' tiles are sized by the smallest grid.
-        self.layout = ChannelLayout(self.world, self.heads_per_rank, self.head_dim, self.max_tokens, num_warps,
-                                    programs=min(all_gather(group, self.max_programs, "DcpAllToAll construction")))
+        programs = min(all_gather(group, self.max_programs, "DcpAllToAll construction"))
+        self.layout = ChannelLayout(self.world, self.heads_per_rank, self.head_dim, self.max_tokens, self.num_warps,
+                                    programs)
+        # The gather moves query rows as raw 16-bit words: a copy, bit for bit, whatever the dtype.
+        self._query_words = self.query_dim * self.query_dtype.itemsize // 2
+        self.gather_layout = ChannelLayout(self.world, self.heads_per_rank, self._query_words, self.max_tokens,
+                                           self.num_warps, programs, lse=False)
+        self.region = ChannelRegion((self.layout, self.gather_layout))
         self._lse_scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         self._ready: set = set()
         # One call at a time per channel (a second thread's call is refused), and the channels
@@ -152,7 +173,7 @@ class DcpAllToAll:
         try:
             self._compile_shared()
             self.warmup()
-            po, y, lses = self._examples()
+            po, y, lses, _ = self._examples()
             # What a call that moves no data launches with (a rejected call's own tensors may be unusable).
             self._idle_call = (*self._operands(po, lses[0], y, None), po, lses[0], y, self._lse_scratch)
         except BaseException:
@@ -161,9 +182,9 @@ class DcpAllToAll:
 
     # --- setup ---------------------------------------------------------------------------------
     def _set_arguments(self, max_tokens, num_heads, head_dim, channels, device, timeout_s,
-                       requested) -> Optional[str]:
+                       requested, query_dim) -> Optional[str]:
         """Normalize the arguments onto ``self``; the first that does not fit, as a message."""
-        for name, value in zip(_INT_ARGS, (max_tokens, num_heads, head_dim, channels)):
+        for name, value in zip(_INT_ARGS, (max_tokens, num_heads, head_dim, channels, query_dim)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 return f"{name} must be an integer; got {value!r}"
             setattr(self, name, int(value))
@@ -220,6 +241,12 @@ class DcpAllToAll:
             return f"max_tokens must be a positive integer; got {self.max_tokens}"
         if self.dtype not in OUT_DTYPES:
             return f"dtype must be torch.float16 or torch.bfloat16; got {self.dtype}"
+        if self.query_dtype not in QUERY_DTYPES:
+            return f"query_dtype must be one of {', '.join(map(str, QUERY_DTYPES))}; got {self.query_dtype}"
+        q, fp8 = self.query_dim, self.query_dtype.itemsize == 1
+        if q <= 0 or q % (16 if fp8 else 8) or q > MAX_HEAD_DIM:
+            return (f"query_dim must be a positive multiple of {16 if fp8 else 8} up to {MAX_HEAD_DIM}"
+                    + (" for fp8 queries (rows move as 16-byte aligned 16-bit words)" if fp8 else "") + f"; got {q}")
         if self.channels < 1:
             return f"channels must be a positive integer; got {self.channels}"
         if self.max_programs is not None and (type(self.max_programs) is not int or self.max_programs < 1):
@@ -242,6 +269,10 @@ class DcpAllToAll:
         # (Two 8-warp programs per SM, which their registers allow, timed out at N = 6 on one H200
         # under MPS: ranks' programs cannot be counted on to pack onto the same SMs.)
         return max(1, sms // (self.ranks_per_device * self.channels))
+
+    @property
+    def _layouts(self) -> dict:
+        return {KIND_COMBINE: self.layout, KIND_GATHER: self.gather_layout}
 
     def _triton_obstacle(self, hosts: list) -> Optional[str]:
         """Why the triton path cannot serve this group, as every rank sees it (None: it can)."""
@@ -278,7 +309,7 @@ class DcpAllToAll:
         transport, reason = None, "requested" if requested == "nccl" else obstacle
         if requested != "nccl" and obstacle is None:
             try:
-                transport = TritonTransport(self.group, self.layout, self.device, self.channels,
+                transport = TritonTransport(self.group, self._layouts, self.region, self.device, self.channels,
                                             self.timeout_s, self.max_programs, self._gpu_scope(),
                                             self.tracing, self.pdl)
                 reason = "requested" if requested == "triton" else "every rank reaches every peer's buffer"
@@ -287,7 +318,7 @@ class DcpAllToAll:
                     raise
                 reason = f"buffer setup failed: {exc}"
         if transport is None:
-            transport = NcclTransport(self.group, self.layout, self.device, self.channels)
+            transport = NcclTransport(self.group, self._layouts, self.device, self.channels)
         if self.rank == 0:
             log.info("DCP all-to-all backend: %s (%s)", transport.name, reason)
         self.backend_reason = reason
@@ -315,14 +346,25 @@ class DcpAllToAll:
             return (lse.dtype, True, True, True), (po_b // 8, po_h // 8, l_b, l_h, y_b // 8, y_h // 8, yl_b, yl_h)
         return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h)
 
+    def _gather_operands(self, q16: torch.Tensor, y16: torch.Tensor) -> tuple:
+        """The gather's variant and stride arguments, as ``_operands`` (on the 16-bit word views)."""
+        (q_b, q_h, _), (y_b, y_h, _) = q16.stride(), y16.stride()
+        q_ok = q_b % 8 == 0 and q16.data_ptr() % 16 == 0
+        y_ok = y_b % 8 == 0 and y16.data_ptr() % 16 == 0
+        if q_ok and y_ok and q_h % 8 == 0 and y_h % 8 == 0:
+            return (KIND_GATHER, True, True, True), (q_b // 8, q_h // 8, 0, 0, y_b // 8, y_h // 8, 0, 0)
+        return (KIND_GATHER, False, q_ok, y_ok), (q_b, q_h, 0, 0, y_b, y_h, 0, 0)
+
     def warmup(self, partial_out: Optional[torch.Tensor] = None,
-               partial_lse: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> None:
+               partial_lse: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, *,
+               q_local: Optional[torch.Tensor] = None, q_out: Optional[torch.Tensor] = None) -> None:
         """Compile and load every kernel variant a call can use, so that capture never does.
 
-        Without arguments: the variants of well-aligned inputs, for each accepted LSE dtype. With
-        example tensors: also the variant of their exact layout (pointers not 16-byte aligned or
-        strides not multiples of 8 need their own). Runs only load-only launches: local, touches
-        no peer and no epoch. Called by the constructor.
+        Without arguments: the variants of well-aligned inputs, for each accepted LSE dtype and
+        the gather. With example tensors: also the variant of their exact layout (pointers not
+        16-byte aligned or strides not multiples of 8 need their own): ``partial_out`` (with
+        ``partial_lse``, ``out``) for the combine, ``q_local`` (with ``q_out``) for the gather.
+        Runs only load-only launches: local, touches no peer and no epoch. Called by the constructor.
         """
         self._check_open()
         if self.device.type == "cpu":
@@ -331,51 +373,65 @@ class DcpAllToAll:
             y = out if out is not None else torch.empty(
                 (1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
             lse = partial_lse if partial_lse is not None else self._lse_scratch
-            self._load(partial_out, lse, y)
-            return
-        po, y, lses = self._examples()
-        for lse in lses:
-            self._load(po, lse, y)
+            self._load(KIND_COMBINE, (partial_out, lse, y), self._operands(partial_out, lse, y, None))
+        if q_local is not None:
+            y = q_out if q_out is not None else torch.empty(
+                (1, self.num_heads, self.query_dim), dtype=self.query_dtype, device=self.device)
+            q16, y16 = q_local.view(torch.int16), y.view(torch.int16)
+            self._load(KIND_GATHER, (q16, self._lse_scratch, y16), self._gather_operands(q16, y16))
+        if partial_out is None and q_local is None:
+            for kind, tensors, operands in self._example_jobs():
+                self._load(kind, tensors, operands)
 
     def _examples(self) -> tuple:
-        """A call of one token in the well-aligned layout: ``partial_out``, ``out`` and one
-        ``partial_lse`` per accepted LSE dtype."""
-        po = torch.empty((1, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device)
-        y = torch.empty((1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
-        return po, y, [torch.empty((1, self.num_heads), dtype=t, device=self.device) for t in LSE_DTYPES]
+        """Calls of one token in the well-aligned layout: ``partial_out``, ``out``, one
+        ``partial_lse`` per accepted LSE dtype, and the gather's (q, out) as 16-bit words."""
+        dev = self.device
+        po = torch.empty((1, self.num_heads, self.head_dim), dtype=self.dtype, device=dev)
+        y = torch.empty((1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=dev)
+        gather = (torch.empty((1, self.heads_per_rank, self._query_words), dtype=torch.int16, device=dev),
+                  torch.empty((1, self.num_heads, self._query_words), dtype=torch.int16, device=dev))
+        return po, y, [torch.empty((1, self.num_heads), dtype=t, device=dev) for t in LSE_DTYPES], gather
+
+    def _example_jobs(self) -> list:
+        """(kind, launch tensors, operands) of every well-aligned variant."""
+        po, y, lses, (q16, y16) = self._examples()
+        jobs = [(KIND_COMBINE, (po, lse, y), self._operands(po, lse, y, None)) for lse in lses]
+        return jobs + [(KIND_GATHER, (q16, self._lse_scratch, y16), self._gather_operands(q16, y16))]
 
     def _compile_shared(self) -> None:
         """Collective: compile the constructor's variants once per host, not once per rank.
 
         Triton keeps what it compiles in an on-disk cache that the ranks of a host share: each rank
-        first compiles and loads its share of the (LSE dtype, tiling) pairs, and once all ranks
+        first compiles and loads its share of the (variant, tiling) pairs, and once all ranks
         have, ``warmup()`` finds the others' in the cache. A rank that fails makes every rank raise.
         """
-        po, y, lses = self._examples()
-        jobs = [(lse, w) for lse in lses for w in self._transport.tilings]
+        jobs = [(kind, tensors, operands, w) for kind, tensors, operands in self._example_jobs()
+                for k, w in self._transport.tilings if k == kind]
         error = None
         try:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # as in _load
-            for lse, w in jobs[self.rank::self.world]:
-                self._transport.load(*self._operands(po, lse, y, None), po, lse, y, self._lse_scratch, (w,))
+            for kind, (a, b, c), (key, strides), w in jobs[self.rank::self.world]:
+                self._transport.load(kind, key, strides, a, b, c, self._lse_scratch, (w,))
         except Exception as exc:  # reported to every rank by agree()
             error = f"{type(exc).__name__}: {exc}"
         agree(self.group, error, "compiling the kernels")
 
-    def _load(self, po, lse, y, operands: Optional[tuple] = None) -> None:
-        key, strides = operands or self._operands(po, lse, y, None)
+    def _load(self, kind: int, tensors: tuple, operands: tuple) -> None:
+        key, strides = operands
         if key in self._ready:
             return
         if self.device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
+                what = "partial_out, partial_lse, out" if kind == KIND_COMBINE else "q_local=..., q_out=..."
                 raise DcpError(
-                    f"the kernel variant for this call (LSE dtype {key[0]}, aligned layout {key[1]}) is "
-                    "not loaded, and the stream is capturing a CUDA graph: call comm.warmup(partial_out, "
-                    "partial_lse, out) with tensors of this layout before capture")
+                    f"the kernel variant for this call ({key[0]}, aligned layout {key[1]}) is not loaded, "
+                    f"and the stream is capturing a CUDA graph: call comm.warmup({what}) with tensors of "
+                    "this layout before capture")
             stream = torch.cuda.current_stream(self.device)
             stream.synchronize()  # loading a module next to a spinning kernel can block
-            self._transport.load(key, strides, po, lse, y, self._lse_scratch)
+            self._transport.load(kind, key, strides, *tensors, self._lse_scratch)
             stream.synchronize()
         self._ready.add(key)
 
@@ -405,23 +461,58 @@ class DcpAllToAll:
                         (B, self.heads_per_rank), dtype=torch.float32, device=self.device)
                 operands = self._operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
                 if out is not None or out_lse is not None:
-                    self._refuse_overlap(partial_out, partial_lse, out, out_lse)
-                key, strides = operands
-                if key not in self._ready:
-                    self._load(partial_out, partial_lse, y, operands)
+                    self._refuse_overlap((("partial_out", partial_out), ("partial_lse", partial_lse)),
+                                         (("out", out), ("out_lse", out_lse)))
+                if operands[0] not in self._ready:
+                    self._load(KIND_COMBINE, (partial_out, partial_lse, y), operands)
             except BaseException:
                 self._announce(channel, TAG_ABORT)
                 raise
-            self._launches(key, strides, partial_out, partial_lse, y, y_lse, B, channel, is_lse_base_on_e)
+            self._launches(KIND_COMBINE, operands, partial_out, partial_lse, y, y_lse, B, channel, is_lse_base_on_e)
         finally:
             busy.release()
+        self._checked(channel, check)
+        return (y, y_lse) if return_lse else y
+
+    def all_gather_heads(self, q_local: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                         channel: int = 0, check: Optional[bool] = None) -> torch.Tensor:
+        """Gather every rank's query heads: ``[B, H/N, Dq]`` -> ``[B, H, Dq]``, rank r's at
+        ``[:, r*H/N:(r+1)*H/N]``, bit for bit (a copy: no arithmetic, any query dtype).
+
+        ``q_local`` may be strided in its token and head dimensions (last dimension contiguous);
+        ``out`` (allocated unless given) may be a head-sliced view of a larger buffer
+        (``buf[:, :H]``). The result is never a view of the shared buffers. Collective, like
+        ``lse_reduce``, on the same channels and epochs: gathers and combines interleave freely.
+        """
+        busy = self._enter(channel)
+        try:
+            try:
+                B = self._validate_query(q_local, out)
+                y = out if out is not None else torch.empty((B, self.num_heads, self.query_dim),
+                                                            dtype=self.query_dtype, device=self.device)
+                if out is not None:
+                    self._refuse_overlap((("q_local", q_local),), (("out", out),))
+                q16, y16 = _words("q_local", q_local), _words("out", y)
+                operands = self._gather_operands(q16, y16)
+                if operands[0] not in self._ready:
+                    self._load(KIND_GATHER, (q16, self._lse_scratch, y16), operands)
+            except BaseException:
+                self._announce(channel, TAG_ABORT)
+                raise
+            self._launches(KIND_GATHER, operands, q16, self._lse_scratch, y16, None, B, channel, True)
+        finally:
+            busy.release()
+        self._checked(channel, check)
+        return y
+
+    def _checked(self, channel: int, check: Optional[bool]) -> None:
+        """With ``check`` (default: the constructor's), wait for the call and raise its failure."""
         if check if check is not None else self.check_calls:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             error = self._transport.error(channel)  # this call's own failure (or the first before it)
             if error is not None:
                 raise error
-        return (y, y_lse) if return_lse else y
 
     def _enter(self, channel) -> threading.Lock:
         """Take the channel for this call, or raise: closed, busy, or poisoned by a failed call."""
@@ -462,30 +553,34 @@ class DcpAllToAll:
         except Exception as exc:  # the caller raises its own error
             self._host_poison.setdefault(channel, f"a call could not announce itself to the peers ({exc})")
 
-    def _launches(self, key, strides, po, lse, y, y_lse, B: int, channel: int, base_e: bool) -> None:
+    def _launches(self, kind: int, operands: tuple, po, lse, y, y_lse, B: int, channel: int,
+                  base_e: bool) -> None:
         """The call's launches: one up to max_tokens, else one per chunk of max_tokens, all with the
-        call's tag. A failure between them leaves the ranks out of step: the channel is poisoned."""
+        call's tag. A failure between them leaves the ranks out of step: the channel is poisoned.
+        (The gather's ``lse`` is the scratch word: it is not sliced.)"""
+        key, strides = operands
         write_lse, lse_arg = (False, self._lse_scratch) if y_lse is None else (True, y_lse)
-        tag = call_tag(KIND_COMBINE, B)
+        tag = call_tag(kind, B)
         try:
             if B <= self.max_tokens:
                 self._transport.launch(key, strides, po, lse, y, lse_arg, B, tag, channel, write_lse, base_e)
                 return
             for b0 in range(0, B, self.max_tokens):
                 b1 = min(B, b0 + self.max_tokens)
-                self._transport.launch(key, strides, po[b0:b1], lse[b0:b1], y[b0:b1],
-                                       y_lse[b0:b1] if write_lse else lse_arg, b1 - b0, tag, channel,
+                self._transport.launch(key, strides, po[b0:b1], lse if kind == KIND_GATHER else lse[b0:b1],
+                                       y[b0:b1], y_lse[b0:b1] if write_lse else lse_arg, b1 - b0, tag, channel,
                                        write_lse, base_e)
         except BaseException as exc:
             self._host_poison.setdefault(channel, f"a call failed between its launches ({type(exc).__name__})")
             raise
 
     @staticmethod
-    def _refuse_overlap(po, lse, out, out_lse) -> None:
+    def _refuse_overlap(inputs: tuple, outputs: tuple) -> None:
         """Outputs are written while other programs (and, chunk by chunk, later launches) still read
-        the inputs: no output may share memory with an input or with the other output."""
-        named = [("partial_out", po), ("partial_lse", lse), ("out", out), ("out_lse", out_lse)]
-        for i, (a_name, a) in enumerate(named[2:], 2):
+        the inputs: no output may share memory with an input or with another output."""
+        named = list(inputs) + list(outputs)
+        for i in range(len(inputs), len(named)):
+            a_name, a = named[i]
             if a is None:
                 continue
             for b_name, b in named[:i]:
@@ -520,6 +615,17 @@ class DcpAllToAll:
             _expect("out_lse", out_lse, (B, hn), (torch.float32,), dev)
         if B > TAG_MAX_TOKENS:
             raise ValueError(f"partial_out: expected at most {TAG_MAX_TOKENS} tokens per call; got {B}")
+        return B
+
+    def _validate_query(self, q, out) -> int:
+        """The gather's B, or raise naming the argument that does not fit."""
+        hn, h, dq, dev, dt = self.heads_per_rank, self.num_heads, self.query_dim, self.device, self.query_dtype
+        B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else "B"  # "B": raises below
+        _expect("q_local", q, (B, hn, dq), (dt,), dev)
+        if out is not None:
+            _expect("out", out, (B, h, dq), (dt,), dev)
+        if B > TAG_MAX_TOKENS:
+            raise ValueError(f"q_local: expected at most {TAG_MAX_TOKENS} tokens per call; got {B}")
         return B
 
     # --- status and lifecycle ------------------------------------------------------------------
@@ -582,13 +688,14 @@ class DcpAllToAll:
             torch.cuda.synchronize(self.device)
         return self._transport.trace_records(channel)
 
-    def tiling(self, n_tokens: int) -> tuple:
-        """(warps per program, programmatic dependent launch) of the launches of a call of
-        ``n_tokens`` tokens; a call above ``max_tokens`` runs in launches of ``max_tokens``."""
+    def tiling(self, n_tokens: int, gather: bool = False) -> tuple:
+        """(warps per program, programmatic dependent launch) of the launches of a combine (or,
+        with ``gather``, a query all-gather) of ``n_tokens`` tokens; a call above ``max_tokens``
+        runs in launches of ``max_tokens``."""
         self._check_open()
         if type(n_tokens) is not int or n_tokens < 1:
             raise ValueError(f"n_tokens: expected a positive integer, got {n_tokens!r}")
-        return self._transport.tiling(min(n_tokens, self.max_tokens))
+        return self._transport.tiling(min(n_tokens, self.max_tokens), KIND_GATHER if gather else KIND_COMBINE)
 
     def memory_bytes(self) -> dict:
         """Bytes of persistent buffers this rank holds, per channel and in total."""

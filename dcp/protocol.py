@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from kernels import (KIND_COMBINE, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT, TAG_KIND_SHIFT,
+from kernels import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT, TAG_KIND_SHIFT,
                      TAG_MAX_TOKENS, TAG_NONE, TAG_POISONED)
 from dcp.errors import DcpError, DcpMismatchError, DcpTimeoutError
 
@@ -33,14 +33,15 @@ def _align(x: int, a: int = ALIGN) -> int:
 
 @dataclass(frozen=True)
 class ChannelLayout:
-    """Byte layout of one channel's symmetric region (identical on every rank).
+    """The rows of one collective on a channel: their width and tiling (identical on every rank).
 
-    Its sizes are computed once: the call path reads them on every launch. A call's tiling (warps
-    per program, rows per tile) depends on its size, unless ``num_warps`` fixes it, and on
-    ``programs``, the grid that every rank of the group keeps resident (the smallest over the
-    ranks, so that every rank tiles a call alike); the flags are sized for the most tiles of any
-    launch. Tile t means different rows under different tilings, which is harmless: a flag names
-    its call by epoch.
+    A row is ``head_dim`` 16-bit values (a combine's D values, or a query row as raw 16-bit words),
+    then, for the combine, the fp32 LSE as two 16-bit lanes, padded to 16 bytes. Its sizes are
+    computed once: the call path reads them on every launch. A call's tiling (warps per program,
+    rows per tile) depends on its size, unless ``num_warps`` fixes it, and on ``programs``, the
+    grid that every rank of the group keeps resident (the smallest over the ranks, so that every
+    rank tiles a call alike). Tile t means different rows under different tilings, which is
+    harmless: a flag names its call by epoch and tag.
     """
 
     world: int
@@ -49,14 +50,15 @@ class ChannelLayout:
     max_tokens: int
     num_warps: Optional[int] = None
     programs: int = 1
+    lse: bool = True
 
     @cached_property
-    def padded_dim(self) -> int:  # power-of-two block width over the head dim
+    def padded_dim(self) -> int:  # power-of-two block width over the row's values
         return _next_pow2(self.head_dim)
 
     @cached_property
-    def row_elems(self) -> int:  # D values + fp32 LSE as two 16-bit lanes, padded to 16 bytes
-        return _align(self.head_dim + 2, 8)
+    def row_elems(self) -> int:  # the values (+ fp32 LSE as two 16-bit lanes), padded to 16 bytes
+        return _align(self.head_dim + (2 if self.lse else 0), 8)
 
     @cached_property
     def rows_max(self) -> int:
@@ -104,27 +106,49 @@ class ChannelLayout:
     def tiles_max(self) -> int:  # the most tiles a launch can have: they size the flags
         return max(self.tiles(n, w) for n, w in enumerate(self.warps_by_size, 1))
 
+    def tile_constexprs(self, warps: int) -> dict:
+        """The geometry of one tiling: all that the NCCL path's kernels take."""
+        return dict(N=self.world, NP=self.padded_peers, HN=self.heads_per_rank, D=self.head_dim,
+                    DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.rows_per_tile(warps))
+
+
+@dataclass(frozen=True)
+class ChannelRegion:
+    """Byte layout of one channel's symmetric region, shared by the collectives in ``layouts``.
+
+    The two receive slots sit at fixed offsets, each sized for the widest rows: consecutive calls
+    alternate slots whatever their kind, and a call may fill its slot while a peer still reads the
+    other one. The flags are sized for the most tiles of any launch of any kind.
+    """
+
+    layouts: tuple
+
+    @cached_property
+    def tiles_max(self) -> int:
+        return max(lay.tiles_max for lay in self.layouts)
+
+    @cached_property
+    def slot_elems(self) -> int:  # 16-bit elements of one slot: N sources of the widest rows
+        lay = self.layouts[0]
+        return lay.world * lay.rows_max * max(lay.row_elems for lay in self.layouts)
+
     @cached_property
     def flag_offset(self) -> int:
         return STATE_BYTES
 
     @cached_property
     def recv_offset(self) -> int:
-        return _align(self.flag_offset + 2 * self.world * self.tiles_max * 8)
+        return _align(self.flag_offset + 2 * self.layouts[0].world * self.tiles_max * 8)
 
     @cached_property
     def nbytes(self) -> int:
-        return _align(self.recv_offset + 2 * self.world * self.rows_max * self.row_elems * 2)
+        return _align(self.recv_offset + 2 * self.slot_elems * 2)
 
-    def tile_constexprs(self, warps: int) -> dict:
-        """The geometry of one tiling: all that the NCCL path's kernels take."""
-        return dict(N=self.world, NP=self.padded_peers, HN=self.heads_per_rank, D=self.head_dim,
-                    DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.rows_per_tile(warps))
-
-    def constexprs(self, warps: int) -> dict:
-        """The fused kernel's geometry for one tiling."""
-        return dict(self.tile_constexprs(warps), ROWS_MAX=self.rows_max, TILES_MAX=self.tiles_max,
-                    FLAG_OFF=self.flag_offset, RECV_OFF=self.recv_offset)
+    def constexprs(self, layout: ChannelLayout, warps: int) -> dict:
+        """The fused kernel's geometry for one collective's tiling on this region."""
+        return dict(layout.tile_constexprs(warps), ROWS_MAX=layout.rows_max, TILES_MAX=self.tiles_max,
+                    FLAG_OFF=self.flag_offset, RECV_OFF=self.recv_offset, SLOT=self.slot_elems,
+                    GATHER=not layout.lse)
 
 
 def call_tag(kind: int, n_tokens: int) -> int:
@@ -132,7 +156,7 @@ def call_tag(kind: int, n_tokens: int) -> int:
     return (kind << TAG_KIND_SHIFT) | n_tokens
 
 
-_KINDS = {KIND_COMBINE: "combine"}
+_KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "query all-gather"}
 
 
 def describe_tag(tag: int) -> str:

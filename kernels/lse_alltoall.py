@@ -12,7 +12,8 @@ Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp
 
     state  [epoch * EPOCH_STRIDE uint32, poisoned int32]          local only
     flags  [2 slots][N sources][tiles] int64: call tag << 32 | epoch
-    recv   [2 slots][N sources][B_max * H/N rows][ROW int16]   row = D values, fp32 LSE, padding
+    recv   [2 slots of SLOT int16][N sources][B_max * H/N rows][ROW int16]
+           combine row: D values, fp32 LSE, padding; gather row: the query row's 16-bit words
 
 NCCL path (``pack_kernel``, ``all_to_all_single``, ``combine_kernel``): the same packed rows in a
 ``[N, B, H/N, ROW]`` send buffer, and the same combine over the received one.
@@ -58,6 +59,7 @@ MAX_PEERS = 8
 TAG_KIND_SHIFT = 28
 TAG_MAX_TOKENS = (1 << TAG_KIND_SHIFT) - 1
 KIND_COMBINE = 0
+KIND_GATHER = 1
 TAG_ABORT = -1
 TAG_POISONED = -2
 TAG_NONE = -3
@@ -128,6 +130,38 @@ def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N: tl.constexpr,
     tl.store((drow + D).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
 
 
+def _load_rows(q, t, n_rows, c_off, cmask, s_q_b, s_q_h, HN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tile t of this rank's own rows as 16-bit words [BLOCK_R, DP]: the query gather sends the
+    same rows to every peer."""
+    rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
+    return tl.load(q + tok[:, None] * s_q_b + hh[:, None] * s_q_h + c_off[None, :],
+                   mask=rmask[:, None] & cmask[None, :])
+
+
+def _store_rows(dst16, t, vals, n_rows, peer, c_off, cmask, N: tl.constexpr, NP: tl.constexpr,
+                BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr):
+    """Store one tile of rows at its rows of every peer's destination ``dst16[peer]``."""
+    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
+    m2 = (peer < N)[:, None] & (rows < n_rows)[None, :]
+    drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
+    tl.store(drow[:, :, None] + c_off[None, None, :], tl.broadcast_to(vals[None, :, :], (NP, BLOCK_R, DP)),
+             mask=m2[:, :, None] & cmask[None, None, :])
+
+
+def _copy_rows(src16, row0, src_stride, y, tok, hh, s_y_b, s_y_h, rmask, c_off, cmask, ok,
+               N: tl.constexpr, HN: tl.constexpr, ROW: tl.constexpr):
+    """The gather's finish: source s's rows land at heads [s * HN, (s + 1) * HN) of the output,
+    bit for bit; where the call failed (``ok`` false), all-ones words (NaN in every float type)."""
+    omask = rmask[:, None] & cmask[None, :]
+    for s in tl.static_range(N):
+        dst = y + tok[:, None] * s_y_b + (s * HN + hh)[:, None] * s_y_h + c_off[None, :]
+        if ok:
+            tl.store(dst, tl.load(src16 + (row0 + s * src_stride)[:, None] * ROW + c_off[None, :], mask=omask),
+                     mask=omask)
+        else:
+            tl.store(dst, tl.full(omask.shape, -1, tl.int16), mask=omask)
+
+
 def _load_lse(src32, row, rmask, ROW: tl.constexpr, D: tl.constexpr):
     """The fp32 LSE of packed rows; NaN and +inf count as -inf (that rank saw no keys)."""
     lv = tl.load(src32 + (row * ROW + D) // 2, mask=rmask, other=float("-inf"))
@@ -169,6 +203,19 @@ def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask,
         tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
 
 
+def _finish_combine(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok, write_lse, log2_scale,
+                    N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr, D: tl.constexpr):
+    """The combine's finish; where the call failed, never leave stale rows: they read as NaN."""
+    if ok:
+        _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
+                      N, BLOCK_R, DP, ROW, D)
+    else:
+        tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(y_ptrs.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+        if write_lse != 0:
+            tl.store(yl_ptrs, tl.full([BLOCK_R], float("nan"), tl.float32), mask=rmask)
+
+
 def _stamp(x, TRACE: tl.constexpr):
     """The device time for the opt-in trace; compiled out without it."""
     if TRACE:
@@ -192,12 +239,17 @@ def lse_alltoall_kernel(
     write_lse, log2_scale,
     N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
-    FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr,
-    TRACE: tl.constexpr, PDL: tl.constexpr,
+    FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, SLOT: tl.constexpr, GATHER: tl.constexpr,
+    ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr, TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One launch of a call: ``n_tokens`` rows of this launch, ``call_tag`` the call's tag (its
-    kind and total B; TAG_ABORT or TAG_POISONED with no rows announce a call that moves no data;
-    TAG_LOAD only loads the variant)."""
+    """One launch of a call: ``n_tokens`` tokens of this launch, ``call_tag`` the call's tag (its
+    kind and total B; TAG_ABORT or TAG_POISONED with no tokens announce a call that moves no data;
+    TAG_LOAD only loads the variant).
+
+    The combine (``GATHER`` false): ``po`` [B, H, D] partial outputs and ``lse`` [B, H] in, this
+    rank's head chunk ``y`` [B, H/N, D] (and ``y_lse``) out. The query all-gather (``GATHER``):
+    ``po`` is this rank's [B, H/N, D] rows and ``y`` the [B, H, D] result, both as 16-bit words
+    (D of them per row); ``lse`` and ``y_lse`` are unused."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     if call_tag != _TAG_LOAD:
@@ -228,24 +280,32 @@ def lse_alltoall_kernel(
         # Padding peers alias the last real one: only flag words (same value, same address) use
         # these addresses unmasked.
         bases = tl.load(ctl + tl.minimum(peer, N - 1))
-        mine = slot * N + rank  # this rank's slot row in every destination
 
         # Push: pack each tile for every destination straight into its receive slot; then one
         # fence for all of them and a relaxed flag per tile and destination (the release pattern,
         # paid once per program, not per tile or per peer).
         dst16 = (tl.multiple_of((bases + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
-                 + mine.to(tl.int64) * (ROWS_MAX * ROW))
-        dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int64)) + mine * TILES_MAX
+                 + slot.to(tl.int64) * SLOT + rank.to(tl.int64) * (ROWS_MAX * ROW))
+        dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int64)) + (slot * N + rank) * TILES_MAX
         # Tiles pid, pid + G, ... (a while: the interpreter's range needs ints), each loaded one
         # step ahead so that a load is in flight while the previous tile is stored.
         t = pid
-        vals, lv = _load_tile(po, lse, t, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN, BLOCK_R)
-        while t * BLOCK_R < n_push:
-            nvals, nlv = _load_tile(po, lse, t + G, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
-                                    N, HN, BLOCK_R)
-            _store_tile(dst16, t, vals, lv, n_push, peer, c_off, cmask, N, BLOCK_R, ROW, D)
-            vals, lv = nvals, nlv
-            t += G
+        if GATHER:
+            vals = _load_rows(po, t, n_push, c_off, cmask, s_po_b, s_po_h, HN, BLOCK_R)
+            while t * BLOCK_R < n_push:
+                nvals = _load_rows(po, t + G, n_push, c_off, cmask, s_po_b, s_po_h, HN, BLOCK_R)
+                _store_rows(dst16, t, vals, n_push, peer, c_off, cmask, N, NP, BLOCK_R, DP, ROW)
+                vals = nvals
+                t += G
+        else:
+            vals, lv = _load_tile(po, lse, t, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN,
+                                  BLOCK_R)
+            while t * BLOCK_R < n_push:
+                nvals, nlv = _load_tile(po, lse, t + G, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b,
+                                        s_lse_h, N, HN, BLOCK_R)
+                _store_tile(dst16, t, vals, lv, n_push, peer, c_off, cmask, N, BLOCK_R, ROW, D)
+                vals, lv = nvals, nlv
+                t += G
         tl.debug_barrier()
         _fence(e, GPU_SCOPE)
         t = pid
@@ -312,22 +372,19 @@ def lse_alltoall_kernel(
             # from other ranks, so the SM slots they hold cannot keep a peer's call from finishing.
             gdc_launch_dependents()
 
-        # Combine every tile of this program from local memory.
-        recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
+        # Finish every tile of this program from local memory: combine, or copy out (gather).
+        recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16) + slot.to(tl.int64) * SLOT
         t = pid
         while t * BLOCK_R < n_rows:
             rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
-            y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
-            yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
-            if code < 0:
-                _combine_rows(recv16, (slot * N * ROWS_MAX + rows).to(tl.int64), ROWS_MAX, y_ptrs, yl_ptrs,
-                              rmask, c_off, cmask, write_lse, log2_scale, N, BLOCK_R, DP, ROW, D)
+            if GATHER:
+                _copy_rows(recv16, rows.to(tl.int64), ROWS_MAX, y, tok, hh, s_y_b, s_y_h, rmask, c_off, cmask,
+                           code < 0, N, HN, ROW)
             else:
-                # Never leave stale rows behind: what could not be combined reads as NaN.
-                tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(y.dtype.element_ty),
-                         mask=rmask[:, None] & cmask[None, :])
-                if write_lse != 0:
-                    tl.store(yl_ptrs, tl.full([BLOCK_R], float("nan"), tl.float32), mask=rmask)
+                y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
+                yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
+                _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX, y_ptrs, yl_ptrs, rmask, c_off, cmask,
+                                code < 0, write_lse, log2_scale, N, BLOCK_R, DP, ROW, D)
             t += G
         t_combined = _stamp(t, TRACE)
         if code > 0:
@@ -462,7 +519,8 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_tile_rows, _load_tile, _store_tile, _load_lse, _combine_rows, _stamp, _scale_strides, _record_failure)
+_SHARED_HELPERS = (_tile_rows, _load_tile, _store_tile, _load_rows, _store_rows, _copy_rows, _load_lse,
+                   _combine_rows, _finish_combine, _stamp, _scale_strides, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]
 _built: dict = {}

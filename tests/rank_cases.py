@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from dcp import DcpAllToAll, DcpError
 from dcp.reference import chunk_reference, make_inputs, max_rel_error
+from kernels import KIND_GATHER
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -184,18 +185,18 @@ def construct_recording_compiles(state, fail_rank: int = -1, device: str = "cpu"
 
     loads, original = [], TritonTransport.load
 
-    def load(self, variant, strides, po, lse, y, y_lse, tilings=None):
-        loads.append((str(lse.dtype), tilings))
+    def load(self, kind, variant, strides, po, lse, y, y_lse, tilings=None):
+        loads.append(("gather" if kind == KIND_GATHER else str(lse.dtype), tilings))
         if dist.get_rank() == fail_rank:
             raise RuntimeError("injected compile failure")
-        original(self, variant, strides, po, lse, y, y_lse, tilings)
+        original(self, kind, variant, strides, po, lse, y, y_lse, tilings)
 
     TritonTransport.load = load
     try:
         if fail_rank >= 0:
             return construct_expect_error(state, device, **kwargs)
         with DcpAllToAll(dist.group.WORLD, device=device, **kwargs) as comm:
-            return loads, comm.layout.tilings
+            return loads, comm.layout.tilings, comm.gather_layout.tilings
     finally:
         TritonTransport.load = original
 

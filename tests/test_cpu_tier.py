@@ -133,13 +133,13 @@ def test_ranks_disagreeing_on_geometry_fail_together(worlds):
 def test_ranks_share_the_constructors_compiles(worlds):
     """Each (LSE dtype, tiling) pair is compiled by exactly one rank first (Triton's disk cache
     then serves the others); the CPU grid gives this layout several tilings."""
-    res = worlds(3).run(rc.construct_recording_compiles, max_tokens=200, num_heads=48, head_dim=64)
-    tilings = res[0][1]
+    res = worlds(3).run(rc.construct_recording_compiles, max_tokens=200, num_heads=48, head_dim=64, query_dim=96)
+    tilings, gather_tilings = res[0][1], res[0][2]
     assert len(tilings) >= 3, tilings
-    done = [(lse, w) for loads, _ in res for lse, ws in loads for w in ws]
+    done = [(lse, w) for loads, _, _ in res for lse, ws in loads for w in ws]
     want = [(t, w) for t in ("torch.float32", "torch.bfloat16", "torch.float16") for w in tilings]
-    assert sorted(done) == sorted(want)
-    assert all(loads for loads, _ in res), "a rank compiled nothing"
+    assert sorted(done) == sorted(want + [("gather", w) for w in gather_tilings])
+    assert all(loads for loads, _, _ in res), "a rank compiled nothing"
 
 
 def test_a_rank_failing_to_compile_fails_construction_everywhere(worlds):
