@@ -56,14 +56,43 @@ def gather_case(state, key: str, seed: int, B: int, strided: bool = False, padde
     return got.numel()
 
 
-def interleaved(state, key: str, seed: int, sizes: list) -> int:
-    """Gathers and combines alternate on one channel (and its epoch), sizes above max_tokens too."""
-    for i, B in enumerate(sizes):
-        if i % 2 == 0:
-            gather_case(state, key, seed + i, B, strided=i % 4 == 0, padded_out=i % 4 == 2)
+def interleaved(state, key: str, seed: int, calls: int, channel: int = 0) -> int:
+    """Gathers and combines in a random order (the same on every rank) on one channel and its epoch,
+    with random sizes up to twice max_tokens; every result checked."""
+    import random
+
+    comm: DcpAllToAll = state[key]
+    rnd = random.Random(seed)
+    for i in range(calls):
+        B = rnd.randint(1, 2 * comm.max_tokens)
+        if rnd.random() < 0.5:
+            gather_case(state, key, seed + i, B, strided=rnd.random() < 0.5, padded_out=rnd.random() < 0.5,
+                        channel=channel)
         else:
-            lse_case(state, key, seed + i, B, use_out=True, special=True)
-    return len(sizes)
+            lse_case(state, key, seed + i, B, use_out=True, special=True, channel=channel)
+    return calls
+
+
+def gather_sizes(state, key: str, seed: int, sizes: list) -> str:
+    """Rank r gathers B = sizes[r]: every rank must raise a mismatch."""
+    comm: DcpAllToAll = state[key]
+    q = make_queries(seed, comm, max(sizes))[comm.rank].to(comm.device)
+    return _raises(lambda: comm.all_gather_heads(q[:sizes[comm.rank]], check=True), (DcpMismatchError,))
+
+
+def lonely_gather(state, key: str) -> list:
+    """Only this rank gathers: a timeout naming the others, and the result reads as NaN (all ones)."""
+    from dcp import DcpTimeoutError
+
+    comm: DcpAllToAll = state[key]
+    q = make_queries(1, comm, 2)[comm.rank].to(comm.device)
+    out = torch.zeros((2, comm.num_heads, comm.query_dim), dtype=comm.query_dtype, device=comm.device)
+    try:
+        comm.all_gather_heads(q, out=out, check=True)
+    except DcpTimeoutError as exc:
+        assert (_bytes(out) == 0xFF).all(), "rows that could not be gathered must read as all-ones (NaN)"
+        return exc.missing_ranks
+    raise AssertionError("a gather with absent peers returned")
 
 
 def gather_against_combine(state, key: str, seed: int) -> dict:
@@ -120,46 +149,81 @@ def memory(state, key: str) -> dict:
     return state[key].memory_bytes()
 
 
-def gather_graph_case(state, key: str, seed: int, B: int, replays: int) -> int:
-    """A layer's two collectives captured in one graph (gather, then combine), replayed on fresh
-    inputs written in place, interleaved with eager gathers; every replay checked."""
-    from dcp.reference import chunk_reference, make_inputs, max_rel_error
+def layer_graphs(state, key: str, seed: int, sizes: list, layers: int, replays: int) -> dict:
+    """Graphs of whole DCP layers, one graph per batch size: per layer a gather, a stand-in for
+    attention (the partial outputs and LSEs derived from the gathered queries on the device), and a
+    combine, ``layers`` times. Replayed in a random order shared by all ranks, with eager gathers
+    and combines between; every layer's outputs checked. Returns the allocations each captured
+    call made (all must be 0)."""
+    import random
+
+    from dcp.reference import chunk_reference, max_rel_error
     from tests.rank_cases import TOL
 
     comm: DcpAllToAll = state[key]
-    dev, n, rank = comm.device, comm.world, comm.rank
+    dev, rank = comm.device, comm.rank
     H, D, hn, dq = comm.num_heads, comm.head_dim, comm.heads_per_rank, comm.query_dim
-    q = torch.empty((B, hn, dq), dtype=comm.query_dtype, device=dev)
-    q_all = torch.empty((B, H, dq), dtype=comm.query_dtype, device=dev)
-    po = torch.empty((B, H, D), dtype=comm.dtype, device=dev)
-    pl = torch.empty((B, H), dtype=torch.float32, device=dev)
-    y = torch.empty((B, hn, D), dtype=comm.dtype, device=dev)
-    comm.all_gather_heads(q, out=q_all)
-    comm.lse_reduce(po, pl, out=y)
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=stream):
-        comm.all_gather_heads(q, out=q_all)
-        comm.lse_reduce(po, pl, out=y)
-    for step in range(replays):
-        qs = make_queries(seed + step, comm, B)
-        outs, lses = make_inputs(seed + 1000 + step, n, B, H, D, comm.dtype, special=True)
-        q.copy_(qs[rank])
-        po.copy_(outs[rank])
-        pl.copy_(lses[rank])
-        q_all.view(torch.uint8).fill_(POISON_BYTE)
-        y.fill_(float("nan"))
-        graph.replay()
-        if step % 2:
-            gather_case(state, key, seed + 500 + step, 3)  # an eager gather between replays
+
+    def attention(q_all: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, layer: int) -> None:
+        """A stand-in: partials that follow from the gathered queries' bytes, this rank and the
+        layer (so any rank can compute every rank's). Needs Dq's bytes >= D."""
+        x = q_all.view(torch.uint8)[..., :D].to(torch.float32)
+        po.copy_(x * ((rank + 1 + layer) / 256.0))
+        pl.copy_(x[..., 0] / 64.0 - rank)
+
+    graphs, allocs = [], []
+    allocated = lambda: torch.cuda.memory_stats(dev).get("allocation.all.allocated", 0)
+    for B in sizes:
+        bufs = [dict(q=torch.empty((B, hn, dq), dtype=comm.query_dtype, device=dev),
+                     q_all=torch.empty((B, H, dq), dtype=comm.query_dtype, device=dev),
+                     po=torch.empty((B, H, D), dtype=comm.dtype, device=dev),
+                     pl=torch.empty((B, H), dtype=torch.float32, device=dev),
+                     y=torch.empty((B, hn, D), dtype=comm.dtype, device=dev)) for _ in range(layers)]
+        for b in bufs:  # the eager warm-up a serving engine runs before capture
+            comm.all_gather_heads(b["q"], out=b["q_all"])
+            comm.lse_reduce(b["po"], b["pl"], out=b["y"])
         torch.cuda.synchronize()
-        assert torch.equal(_bytes(q_all), _bytes(torch.cat(qs, dim=1))), f"replay {step}: gather differs"
-        ref, _ = chunk_reference(outs, lses, rank, hn)
-        err = max_rel_error(y, ref)
-        assert err <= TOL[comm.dtype], f"replay {step}: combine error {err}"
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            pass  # what torch allocates for a stream's first capture
+        with torch.cuda.graph(graph, stream=stream):
+            for layer, b in enumerate(bufs):
+                before = allocated()
+                comm.all_gather_heads(b["q"], out=b["q_all"])
+                allocs.append(allocated() - before)
+                attention(b["q_all"], b["po"], b["pl"], layer)
+                before = allocated()
+                comm.lse_reduce(b["po"], b["pl"], out=b["y"])
+                allocs.append(allocated() - before)
+        graphs.append((B, graph, bufs))
+    rnd = random.Random(seed)
+    for step in range(replays):
+        B, graph, bufs = graphs[rnd.randrange(len(graphs))]
+        queries = []
+        for layer, b in enumerate(bufs):
+            qs = make_queries(seed + 97 * step + layer, comm, B)
+            b["q"].copy_(qs[rank])
+            b["q_all"].view(torch.uint8).fill_(POISON_BYTE)
+            b["y"].fill_(float("nan"))
+            queries.append(qs)
+        graph.replay()
+        if step % 3 == 1:  # eager calls between replays move the shared epoch
+            gather_case(state, key, seed + 500 + step, 3)
+            lse_case(state, key, seed + 700 + step, 2, use_out=True)
+        torch.cuda.synchronize()
+        for layer, (b, qs) in enumerate(zip(bufs, queries)):
+            q_all = torch.cat(qs, dim=1)
+            assert torch.equal(_bytes(b["q_all"]), _bytes(q_all)), f"step {step} layer {layer}: gather differs"
+            # every rank's partials, as each rank's stand-in computed them from the same queries
+            x = q_all.view(torch.uint8)[..., :D].to(torch.float32)
+            outs = [(x * ((r + 1 + layer) / 256.0)).to(comm.dtype) for r in range(comm.world)]
+            lses = [x[..., 0] / 64.0 - r for r in range(comm.world)]
+            ref, _ = chunk_reference(outs, lses, rank, hn)
+            err = max_rel_error(b["y"], ref)
+            assert err <= TOL[comm.dtype], f"step {step} layer {layer}: combine error {err}"
     comm.check()
-    return replays
+    return {"allocs": allocs, "replays": replays}
 
 
 def count_gather_launches(state, key: str, B: int) -> list:

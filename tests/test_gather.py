@@ -34,9 +34,26 @@ def test_gather_is_bit_exact(worlds, n):
 def test_gathers_and_combines_interleave_on_one_channel(worlds):
     w = worlds(3)
     _comm(w, "mix", 2, 32, "bfloat16", channels=2)
-    w.run(gc.interleaved, "mix", fresh_seed(), [3, 1, 2 * MAX_TOKENS + 2, MAX_TOKENS, 0 + 1, 2, 5, 3])
+    assert w.run(gc.interleaved, "mix", fresh_seed(), 12) == [12] * 3
     w.run(gc.gather_case, "mix", fresh_seed(), 2, channel=1)
     w.run(rc.close_comm, "mix")
+
+
+def test_gathers_of_different_sizes_are_told(worlds):
+    w = worlds(3)
+    for sizes in ([2, 3, 2], [8, 4, 8], [0, 1, 1]):  # sizes differing by whole chunks; B = 0 on one rank
+        _comm(w, "gs", 2, 16, "bfloat16", timeout_s=30.0)
+        msgs = w.run(gc.gather_sizes, "gs", fresh_seed(), sizes)
+        assert all("entered the same DCP call differently" in m for m in msgs), msgs
+        assert f"query all-gather of B={sizes[1]}" in msgs[0], msgs
+    w.run(rc.close_comm, "gs")
+
+
+def test_a_gather_missing_a_rank_times_out_naming_it(worlds):
+    w = worlds(2)
+    _comm(w, "to", 2, 16, "float8_e5m2", timeout_s=2.0)
+    assert w.run(gc.lonely_gather, "to", ranks=[0], timeout=120) == [[1]]
+    w.run(rc.close_comm, "to")
 
 
 def test_a_gather_against_a_combine_is_told(worlds):

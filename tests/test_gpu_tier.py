@@ -9,6 +9,7 @@ from dcp.protocol import POISONED_NOTE
 from dcp.spawn import World
 from kernels import EPOCH_PERIOD
 
+from tests import gather_cases as gc
 from tests import lockstep_cases as lc
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
@@ -43,6 +44,38 @@ def test_lse_reduce_matches_reference_gpu(worlds, n):
     assert w.run(rc.bad_calls, "fp16")
     w.run(rc.close_comm, "bf16")
     w.run(rc.close_comm, "fp16")
+
+
+@pytest.mark.parametrize("n", [2, 3, 6])
+def test_gather_is_bit_exact_gpu(worlds, n):
+    w = worlds(n, "cuda")
+    seed = fresh_seed()
+    for qdt, dq in (("bfloat16", 576), ("float8_e4m3fn", 576), ("float32", 64), ("float16", 128)):
+        w.run(rc.make_comm, "g", device="cuda", max_tokens=MAX_TOKENS, num_heads=16 * n, head_dim=512,
+              query_dim=dq, query_dtype=gc.QUERY_DTYPES[qdt])
+        cases = [dict(B=1), dict(B=MAX_TOKENS, use_out=True), dict(B=2 * MAX_TOKENS + 1, strided=True, padded_out=True),
+                 dict(B=7, strided=True)]
+        for i, case in enumerate(cases):
+            w.run(gc.gather_case, "g", seed + i, **case)
+        assert w.run(gc.empty_gather, "g") == [(0, 16 * n, dq)] * n
+    assert w.run(gc.interleaved, "g", seed + 10, 12) == [12] * n
+    assert w.run(gc.bad_gathers, "g", seed + 20)
+    w.run(rc.close_comm, "g")
+
+
+def test_layer_graphs_gpu(worlds):
+    """Graphs of 4 whole layers (gather, attention stand-in, combine), several batch sizes, replayed
+    in random order with eager calls between: every output checked, nothing allocated in capture,
+    one launch per gather."""
+    for n in (3, 6):
+        w = worlds(n, "cuda")
+        w.run(rc.make_comm, "layer", device="cuda", max_tokens=64, num_heads=16 * n, head_dim=512,
+              query_dim=576, query_dtype=torch.bfloat16)
+        names = w.run(gc.count_gather_launches, "layer", 8)
+        assert all(len(k) == 1 and "lse_alltoall" in k[0] for k in names), names
+        res = w.run(gc.layer_graphs, "layer", fresh_seed(), sizes=[1, 8, 64], layers=4, replays=12, timeout=600)
+        assert all(all(a == 0 for a in r["allocs"]) for r in res), res
+        w.run(rc.close_comm, "layer")
 
 
 def test_one_launch_per_call(worlds):
