@@ -109,8 +109,10 @@ def _inside_a_call(comm: DcpAllToAll, channel: int = 0) -> None:
         _until(dcp.backends._INTERPRETER.locked, "the other thread's kernel runs")
 
 
-def _delayed_peer_call(comm: DcpAllToAll, seed: int, B: int, delay_s: float, channel: int = 0) -> float:
-    time.sleep(delay_s)
+def _late_peer_call(comm: DcpAllToAll, seed: int, B: int, channel: int = 0) -> float:
+    """Rank 0 is inside its call: this rank calls only once rank 0 has done what the test does
+    meanwhile and meets it at a barrier (gloo, from rank 0's main thread)."""
+    dist.barrier()
     return _checked_call(comm, seed, B, channel)
 
 
@@ -119,13 +121,14 @@ def two_threads_one_channel(state, key: str, seed: int) -> dict:
     the first still pairs with rank 1's call exactly, and the channel is poisoned afterwards."""
     comm: DcpAllToAll = state[key]
     if comm.rank != 0:
-        return {"first": _delayed_peer_call(comm, seed, 2, 3.0), "next": _then_poisoned(comm, seed + 1)}
+        return {"first": _late_peer_call(comm, seed, 2), "next": _then_poisoned(comm, seed + 1)}
     results: dict = {}
     worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2)))
     worker.start()
     _inside_a_call(comm)
     _, _, po, pl = _inputs(comm, seed + 5, 2)
     refused = _raises(lambda: comm.lse_reduce(po, pl))
+    dist.barrier()
     worker.join(60)
     assert "err" in results, "the first thread's call did not finish correctly"
     return {"first": results["err"], "refused": refused, "next": _then_poisoned(comm, seed + 1)}
@@ -137,7 +140,7 @@ def two_threads_two_channels_cpu(state, key: str, seed: int) -> dict:
     channel 0 goes on."""
     comm: DcpAllToAll = state[key]
     if comm.rank != 0:
-        first = _delayed_peer_call(comm, seed, 2, 3.0, channel=0)
+        first = _late_peer_call(comm, seed, 2, channel=0)
         _, _, po, pl = _inputs(comm, seed + 2, 2)
         ch1 = _raises(lambda: comm.lse_reduce(po, pl, channel=1, check=True), (DcpMismatchError,))
         return {"first": first, "ch1": ch1, "ch0_after": _checked_call(comm, seed + 3, 3, channel=0)}
@@ -147,6 +150,7 @@ def two_threads_two_channels_cpu(state, key: str, seed: int) -> dict:
     _inside_a_call(comm)
     _, _, po, pl = _inputs(comm, seed + 2, 2)
     refused = _raises(lambda: comm.lse_reduce(po, pl, channel=1))
+    dist.barrier()
     worker.join(60)
     assert "err" in results, "the channel-0 call did not finish correctly"
     ch1 = _then_poisoned(comm, seed + 2, channel=1)
@@ -176,14 +180,20 @@ def close_while_calling(state, key: str, seed: int) -> dict:
     late): close waits for that call, which still returns its exact result."""
     comm: DcpAllToAll = state.pop(key)
     if comm.rank != 0:
-        err = _delayed_peer_call(comm, seed, 2, 3.0)
+        err = _late_peer_call(comm, seed, 2)
         comm.close()
         return {"err": err, "closed": comm._closed}
     results: dict = {}
     worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2)))
     worker.start()
     _inside_a_call(comm)
-    comm.close()
+    closer = threading.Thread(target=comm.close)
+    closer.start()
+    _until(lambda: comm._closed, "close() has begun")  # it now waits for the call in flight
+    time.sleep(0.2)
+    assert closer.is_alive() and worker.is_alive(), "close() did not wait for the call in flight"
+    dist.barrier()
+    closer.join(60)
     worker.join(60)
     assert "err" in results, "the call in flight did not finish correctly"
     return {"err": results["err"], "closed": comm._closed}
