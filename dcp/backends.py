@@ -14,8 +14,8 @@ import torch.distributed as dist
 from triton import knobs
 from triton.runtime import driver
 
-from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TAG_LOAD, TRACE_CALLS, TRACE_PROGRAMS,
-                     TRACE_WORDS, build_kernels)
+from dcp.kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, STATUS_WORDS, TAG_LOAD, TRACE_CALLS, TRACE_PROGRAMS,
+                         TRACE_WORDS, build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for
 from dcp.errors import DcpError, DcpPeerLostError

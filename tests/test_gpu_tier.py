@@ -7,7 +7,7 @@ import torch
 
 from dcp.protocol import POISONED_NOTE
 from dcp.spawn import World
-from kernels import EPOCH_PERIOD
+from dcp.kernels import EPOCH_PERIOD
 
 from tests import lockstep_cases as lc
 from tests import rank_cases as rc
