@@ -34,7 +34,7 @@ import torch
 
 from dcp.protocol import ChannelLayout
 from dcp.spawn import World
-from bench import ranks
+from . import ranks
 
 
 def _sh(cmd: str) -> str:
@@ -191,7 +191,7 @@ def main(argv=None) -> None:
     runs.append({"provenance": info, "rows": rows})
     json.dump(runs, open(path, "w"), indent=1)
     try:
-        from bench.plot import plot
+        from .plot import plot
 
         print("plots:", ", ".join(plot(path, args.out)))
     except ImportError:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from dcp import DcpAllToAll
 from dcp.protocol import call_tag
-from kernels import KIND_COMBINE
+from dcp.kernels import KIND_COMBINE
 from dcp.reference import make_inputs
 from dcp.spawn import World
-from bench.ranks import Marks, calibrate, held_run
+from .ranks import Marks, calibrate, held_run
 
 HOLD_US_PER_CALL = 50  # the held step's sleeping kernel: more than a call takes to launch
 HELD_CALLS = 200  # the held step's calls: the benchmark's default --iters, which its queues hold

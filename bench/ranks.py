@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dcp import DcpAllToAll
 from dcp.reference import chunk_reference, make_inputs, max_rel_error
-from kernels import build_kernels
+from dcp.kernels import build_kernels
 
 MARK_PROBES = 100  # marks timed back to back in setup: what one costs
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from triton import knobs
 from triton.runtime import driver
 
-from kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, KIND_COMBINE, KIND_GATHER, STATUS_WORDS, TAG_KIND_SHIFT,
+from dcp.kernels import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, KIND_COMBINE, KIND_GATHER, STATUS_WORDS, TAG_KIND_SHIFT,
                      TAG_LOAD, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS, build_kernels)
 from dcp import cudart
 from dcp.buffers import SymmetricRegion, provider_for

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from kernels import KIND_COMBINE, KIND_GATHER, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
+from dcp.kernels import KIND_COMBINE, KIND_GATHER, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
 from dcp.backends import NcclTransport, TritonTransport
 from dcp.errors import DcpError, DcpPeerLostError
 from dcp.protocol import POISONED_NOTE, ChannelLayout, ChannelRegion, call_tag

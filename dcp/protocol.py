@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from kernels import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT, TAG_KIND_SHIFT,
+from dcp.kernels import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT, TAG_KIND_SHIFT,
                      TAG_MAX_TOKENS, TAG_NONE, TAG_POISONED)
 from dcp.errors import DcpError, DcpMismatchError, DcpTimeoutError
 

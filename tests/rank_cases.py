@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from dcp import DcpAllToAll, DcpError
 from dcp.reference import chunk_reference, make_inputs, max_rel_error
-from kernels import KIND_GATHER
+from dcp.kernels import KIND_GATHER
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}

@@ -84,7 +84,7 @@ def test_clock_kernel_stores_increasing_times():
 
     import torch
 
-    from kernels import build_kernels
+    from dcp.kernels import build_kernels
 
     clock = build_kernels(interpret=True).clock
     stamps = torch.full((7,), -1, dtype=torch.int64)

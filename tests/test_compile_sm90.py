@@ -12,7 +12,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from dcp.protocol import ChannelLayout
-from kernels import build_kernels
+from dcp.kernels import build_kernels
 
 
 def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warps: int = 8, pdl: bool = False):

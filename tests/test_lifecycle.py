@@ -1,7 +1,7 @@
 """Channels, epochs across the wrap, timeouts, peer death, mismatched calls, leaks, soak (CPU tier)."""
 
 from dcp.spawn import World
-from kernels import EPOCH_PERIOD
+from dcp.kernels import EPOCH_PERIOD
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
 
