@@ -1,7 +1,13 @@
-"""``python -m bench``: the DCP all-to-all timed against the reference, with provenance.
+"""The DCP all-to-all (lse_reduce) timed against the reference, with provenance.
+
+Run as ``python -m bench`` or ``dcp-a2a-bench``.
 
 Spawns its own rank processes: one per GPU with several GPUs, N processes on one GPU with one, and
-the CPU tier (Triton's interpreter) with none. Columns follow nccl-tests' all-to-all conventions:
+the CPU tier (Triton's interpreter) with none. On the CPU tier the times measure the interpreter, not
+a transport, and the nccl backend runs over a gloo process group (its rows are named ``gloo``); the
+table leaves out the columns only a GPU fills. Groups of more than ``MAX_PEERS`` (8) ranks run the
+nccl backend only. ``x`` is the speedup over the nccl backend (or gloo) at the same point. Columns
+follow nccl-tests' all-to-all conventions:
 size is the bytes one rank sends (the packed [N, B, H/N, D+2] buffer), algbw = size / time and
 busbw = algbw * (N - 1) / N.
 
@@ -23,8 +29,10 @@ import contextlib
 import csv
 import datetime
 import json
+import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,7 +42,10 @@ import torch
 
 from dcp.protocol import ChannelLayout
 from dcp.spawn import World
+from dcp.kernels import MAX_PEERS
+from dcp.spawn import RankError
 from . import ranks
+from .plot import missing
 
 
 def _sh(cmd: str) -> str:
@@ -45,10 +56,27 @@ def _sh(cmd: str) -> str:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
+
+
+def _group_size(text: str) -> int:
+    value = _positive(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"a DCP group needs at least 2 ranks, got {text}")
+    return value
+
+
+def command_name() -> str:
+    """How this run was started, for provenance and messages: ``python -m bench`` or the console
+    script's name (``dcp-a2a-bench``)."""
+    name = os.path.basename(sys.argv[0])
+    return "python -m bench" if name == "__main__.py" else name
 
 
 def provenance(argv: list) -> dict:
@@ -56,7 +84,7 @@ def provenance(argv: list) -> dict:
 
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m bench"] + argv),
+        "command": " ".join([command_name()] + [shlex.quote(a) for a in argv]),
         "host": platform.node(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         # the device machine's copy may carry a stale .git: a commit passed in wins
@@ -120,76 +148,156 @@ def floor_bytes(n: int, B: int, hn: int, d: int, shared_device: bool) -> int:
     return per_rank * (n if shared_device else 1)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line: the usage of every option, printed first by default, would bury it."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _Help(argparse.HelpFormatter):
+    """Each option's default after its help, written as it would be typed (``3 6``, not ``[3, 6]``):
+    the defaults depend on the machine, so they cannot be written into the help text."""
+
+    def _get_help_string(self, action):
+        default = action.default
+        if default is None or default is argparse.SUPPRESS:
+            return action.help
+        if isinstance(default, bool):
+            default = "on" if default else "off"
+        elif isinstance(default, list):
+            default = " ".join(map(str, default))
+        return f"{action.help} (default: {str(default).replace('%', '%%')})"
+
+
+MODES = ["eager", "graph", "graph8"]
+
+
+def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
+    p = _Parser(prog=command_name(), description=__doc__.split("\n")[0], formatter_class=_Help,
+                epilog="Defaults are this machine's (with a GPU the sweep is larger). Without a GPU the kernels run "
+                       "under Triton's interpreter and the nccl backend over a gloo process group: the times then "
+                       "measure the interpreter, not a transport. Columns: the README's Benchmarks section.")
+    p.add_argument("--world-size", type=_group_size, nargs="+", metavar="N",
+                   default=[gpus] if gpus > 1 else [3, 6],
+                   help=f"ranks in the group, a sweep per value; above {MAX_PEERS} only the nccl backend runs")
+    p.add_argument("--batch", type=_positive, nargs="+", metavar="B",
+                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if cuda else [1, 4, 16],
+                   help="tokens per call, a point per value")
+    p.add_argument("--heads-per-rank", type=_positive, default=16 if cuda else 2, metavar="H",
+                   help="attention heads per rank; the call combines N times as many")
+    p.add_argument("--head-dim", type=_positive, nargs="+", default=[512, 128] if cuda else [64], metavar="D",
+                   help="head dimension, a multiple of 8 up to 1024; a sweep per value")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="partial outputs' dtype")
+    p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"],
+                   metavar="BACKEND",
+                   help="triton (fused push into peers' buffers) and/or nccl (pack, the process group's "
+                        "all-to-all, combine; named gloo where the group runs gloo, as without a GPU)")
+    p.add_argument("--modes", nargs="+", default=MODES if cuda else ["eager"], choices=MODES, metavar="MODE",
+                   help="eager (plain calls), graph (a CUDA graph of one call), graph8 (a graph of 8 calls, "
+                        "like layers); the graph modes need a GPU")
+    p.add_argument("--iters", type=_positive, default=200 if cuda else 5, help="timed calls per point")
+    p.add_argument("--num-warps", type=int, choices=[1, 2, 4, 8, 16], default=None, metavar="W",
+                   help="fixed warps per program, 1 2 4 8 or 16 (default: chosen by call size)")
+    p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
+                   help="programmatic dependent launch of the triton kernel; auto: where the GPU has it")
+    p.add_argument("--timer", choices=["clock", "events"], default="clock",
+                   help="mark between timed steps on a GPU: a kernel storing the GPU clock (in graph modes, the "
+                        "graph's first node), or a CUDA event")
+    p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
+    p.add_argument("--out", default="results", help="folder for results.csv, results.json (appended to) and the plots")
+    return p
+
+
+def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
+    """Per group size: whether its ranks share a GPU, its process group's backend and the backends
+    that can run (decided before any rank is spawned); and a line for each backend left out."""
+    runs, notes = [], []
+    for n in worlds:
+        shared = cuda and gpus < n  # ranks share a GPU; NCCL refuses two ranks on one GPU
+        pg = "gloo" if shared or not cuda else "nccl"
+        run = [b for b in backends if not (b == "triton" and n > MAX_PEERS or b == "nccl" and shared)]
+        rest = f"{' and '.join(pg if b == 'nccl' else b for b in run)} only" if run else "nothing runs"
+        if "triton" in backends and "triton" not in run:
+            notes.append(f"N={n}: triton not run (the triton path serves up to {MAX_PEERS} ranks); {rest}")
+        if "nccl" in backends and "nccl" not in run:
+            notes.append(f"N={n}: nccl not run ({n} ranks share {gpus} GPU(s); NCCL refuses two ranks on one GPU); "
+                         f"{rest}")
+        runs.append((n, shared, pg, run))
+    return runs, notes
+
+
+CPU_BANNER = ("CPU tier (no GPU): the times measure Triton's interpreter running the kernels, not a transport; "
+              "the nccl backend runs over a gloo process group and is named gloo.")
+CPU_NOTE = ("Times of Triton's interpreter on the CPU, not of a transport; gloo: the nccl backend over a gloo "
+            "process group; x compares the two under the interpreter.")
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=_positive, nargs="+",
-                   default=[torch.cuda.device_count()] if cuda and torch.cuda.device_count() > 1 else [3, 6])
-    p.add_argument("--batch", type=_positive, nargs="+",
-                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if cuda else [1, 4, 16])
-    p.add_argument("--heads-per-rank", type=_positive, default=16 if cuda else 2)
-    p.add_argument("--head-dim", type=_positive, nargs="+", default=[512, 128] if cuda else [64])
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="partial outputs' dtype")
-    p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"])
-    p.add_argument("--modes", nargs="+", default=["eager", "graph", "graph8"] if cuda else ["eager"])
-    p.add_argument("--iters", type=_positive, default=200 if cuda else 5)
-    p.add_argument("--num-warps", type=int, default=None, help="fixed warps per program (default: by call size)")
-    p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
-                   help="programmatic dependent launch of the triton kernel (auto: where the GPU has it)")
-    p.add_argument("--timer", choices=["clock", "events"], default="clock",
-                   help="mark between timed steps: a kernel storing the GPU clock (in graph modes, the graph's "
-                        "first node), or a CUDA event")
-    p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
-    p.add_argument("--out", default="results", help="folder for results.csv and results.json")
-    args = p.parse_args(argv)
-
     gpus = torch.cuda.device_count() if cuda else 0
+    p = parser(cuda, gpus)
+    args = p.parse_args(argv)
+    if not cuda and set(args.modes) != {"eager"}:
+        p.error("--modes graph and graph8 need a GPU (they capture CUDA graphs); without one only eager runs")
+    runs, notes = plan(args.world_size, args.backends, cuda, gpus)
+    if not any(run for *_, run in runs):
+        p.error("nothing to run: " + "; ".join(notes))
+    if not cuda:
+        print(CPU_BANNER)
+    for note in notes:
+        print(note)
+
     rate = copy_rate() if cuda else float("nan")
     info = provenance(argv)
     info["copy_rate_Bps"] = rate
-    rows, skipped_nccl = [], False
+    rows = []
     device = "cuda" if cuda else "cpu"
     seed = int.from_bytes(os.urandom(4), "little")
     mps_on = cuda and (args.mps or bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")))
-    shares_gpu = lambda n: cuda and gpus < n  # ranks share a GPU; NCCL refuses two ranks on one GPU
-    total = sum(len([b for b in args.backends if b == "triton" or not shares_gpu(n)]) for n in args.world_size) \
-        * len(args.head_dim) * len(args.batch) * len(args.modes)
-    with mps_daemon(args.mps and cuda):
-        for n in args.world_size:
-            shared = shares_gpu(n)
-            w = World(n, device, pg_backend="gloo" if shared or not cuda else "nccl")
-            try:
-                for backend in args.backends:
-                    if backend == "nccl" and shared:
-                        skipped_nccl = True
-                        continue
-                    for d in args.head_dim:
-                        tilings = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
-                                        args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
-                                        args.timer, args.dtype)[0]
-                        for B in args.batch:
-                            for mode in args.modes:
-                                res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
-                                rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
-                                                 backend, rate, shared, cuda, *tilings[B - 1], args.dtype,
-                                                 args.iters))
-                                done = len(rows) * 30 // total
-                                print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} N={n} {backend} "
-                                      f"D={d} B={B} {mode}: {rows[-1]['median_us']:.1f} us   ", end="", flush=True)
-            finally:
-                w.close()
+    total = sum(len(run) for *_, run in runs) * len(args.head_dim) * len(args.batch) * len(args.modes)
+    where = ""
+    try:
+        with mps_daemon(args.mps and cuda):
+            for n, shared, pg, run in runs:
+                if not run:
+                    continue
+                where = f"N={n}"
+                w = World(n, device, pg_backend=pg)
+                try:
+                    for backend in run:
+                        name = pg if backend == "nccl" else backend  # the nccl path runs the group's all-to-all
+                        for d in args.head_dim:
+                            where = f"N={n} {name} D={d}"
+                            tilings = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
+                                            args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
+                                            args.timer, args.dtype)[0]
+                            for B in args.batch:
+                                for mode in args.modes:
+                                    where = f"N={n} {name} D={d} B={B} {mode}"
+                                    res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
+                                    rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
+                                                     name, rate, shared, cuda, *tilings[B - 1],
+                                                     args.dtype, args.iters))
+                                    done = len(rows) * 30 // total
+                                    print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} {where}: "
+                                          f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
+                finally:
+                    w.close()
+    except RankError as exc:
+        if rows:
+            print()  # ends the progress line
+        raise SystemExit(f"{p.prog}: error at {where}: {rank_failure(exc)}")
     _fill_speedups(rows)
     print()
-    if skipped_nccl:
-        print("NCCL: not run where ranks share a GPU (it refuses two ranks on one GPU); its columns are NaN.")
     os.makedirs(args.out, exist_ok=True)
     _append_csv(os.path.join(args.out, "results.csv"),
                 [{**r, "date": info["date"], "git_commit": info["git_commit"]} for r in rows])
     path = os.path.join(args.out, "results.json")
-    runs = json.load(open(path)) if os.path.exists(path) else []
-    runs.append({"provenance": info, "rows": rows})
-    json.dump(runs, open(path, "w"), indent=1)
+    runs_json = json.load(open(path)) if os.path.exists(path) else []  # older files may hold bare NaN
+    runs_json.append({"provenance": info, "rows": rows})
+    with open(path, "w") as f:
+        json.dump(strict_json(runs_json), f, indent=1, allow_nan=False)
     try:
         from .plot import plot
 
@@ -197,6 +305,35 @@ def main(argv=None) -> None:
     except ImportError:
         print("plots: not drawn (matplotlib missing: pip install -e '.[bench]')")
     print(format_table(rows))
+    if not cuda:
+        print(CPU_NOTE)
+
+
+def rank_failure(exc: RankError) -> str:
+    """A rank failure as one line where every failing rank raised the same error (each rank's
+    traceback would bury it); else the first failing rank's traceback, then each rank's error."""
+    last = {r: _error_line(tb) for r, (_, tb) in exc.failures.items()}
+    if len(set(last.values())) == 1:
+        return last[min(last)]
+    return exc.failures[min(last)][1].rstrip() + "\n" + "; ".join(f"rank {r}: {e}" for r, e in last.items())
+
+
+def _error_line(tb: str) -> str:
+    """A traceback's last line, the exception's module left out (``DcpError: ...``)."""
+    line = tb.strip().splitlines()[-1]
+    name, sep, message = line.partition(": ")
+    return (name.rsplit(".", 1)[-1] if " " not in name else name) + sep + message
+
+
+def strict_json(value):
+    """NaN and infinities as None (JSON's null): strict JSON parsers refuse bare NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def _append_csv(path: str, rows: list) -> None:
@@ -232,43 +369,59 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
                 floor_us=floor_us, floor_frac=floor_us / worst["median_us"],
                 host_us=max(r["host_us"] for r in res), host_loop_us=max(r["host_loop_us"] for r in res),
                 max_rel_err=max(r["max_rel_err"] for r in res),
-                nccl_us=float("nan"), speedup=float("nan"))
+                baseline_us=float("nan"), speedup=float("nan"))
 
 
 def _fill_speedups(rows: list) -> None:
-    """nccl_us and speedup (nccl time / this time) on the rows of every point where NCCL ran."""
-    nccl = {(r["world"], r["head_dim"], r["B"], r["mode"]): r["median_us"] for r in rows if r["backend"] == "nccl"}
+    """baseline_us and speedup (the baseline's time / this time) on the rows of every point where the
+    nccl backend ran (the baseline, named by its process group's backend: nccl, or gloo)."""
+    point = lambda r: (r["world"], r["head_dim"], r["B"], r["mode"])
+    baseline = {point(r): r["median_us"] for r in rows if r["backend"] != "triton"}
     for r in rows:
-        t = nccl.get((r["world"], r["head_dim"], r["B"], r["mode"]))
+        t = baseline.get(point(r))
         if t is not None:
-            r["nccl_us"], r["speedup"] = t, t / r["median_us"]
+            r["baseline_us"], r["speedup"] = t, t / r["median_us"]
 
 
 def _held_cell(r: dict) -> str:
     """yes / NO; "/k" where the steps were queued k at a time, each chunk behind its own hold."""
-    if r["held"] is None:
-        return "-"
     return ("yes" if r["held"] else "NO") + (f"/{r['steps_per_hold']}" if r["steps_per_hold"] < r["iters"] else "")
 
 
-# The table's columns: header, width, and how a row's value is written.
-_f1 = lambda key: lambda r: f"{r[key]:.1f}"
-_f2 = lambda key: lambda r: f"{r[key]:.2f}"
+def _number(key: str, spec: str, scale: float = 1) -> tuple:
+    return key, lambda r: format(scale * r[key], spec)
+
+
+def _field(key: str) -> tuple:
+    return key, lambda r: str(r[key])
+
+
+# The table's columns: header ("{baseline}": the baseline's name), unit, width, the row's field
+# (which decides whether the cell has a value) and how the cell is written.
 COLUMNS = [
-    ("N", 2, lambda r: r["world"]), ("backend", 7, lambda r: r["backend"]), ("D", 4, lambda r: r["head_dim"]),
-    ("B", 4, lambda r: r["B"]), ("mode", 6, lambda r: r["mode"]), ("size(B)", 9, lambda r: r["size_bytes"]),
-    ("med(us)", 8, _f1("median_us")), ("p10", 7, _f1("p10_us")), ("p90", 7, _f1("p90_us")),
-    ("mark", 5, _f1("mark_us")), ("loop", 7, _f1("loop_us")), ("algbw", 7, _f2("algbw_GBps")),
-    ("busbw", 7, _f2("busbw_GBps")), ("floor", 7, _f1("floor_us")),
-    ("%floor", 6, lambda r: f"{100 * r['floor_frac']:.0f}%"), ("host", 6, _f1("host_us")),
-    ("hloop", 6, _f1("host_loop_us")), ("nccl", 6, _f1("nccl_us")), ("x", 5, _f2("speedup")),
-    ("held", 6, _held_cell),
+    ("N", "", 2, *_field("world")), ("backend", "", 7, *_field("backend")), ("D", "", 4, *_field("head_dim")),
+    ("B", "tokens", 4, *_field("B")), ("mode", "", 6, *_field("mode")), ("size", "bytes", 9, *_field("size_bytes")),
+    ("med", "us", 8, *_number("median_us", ".1f")), ("p10", "us", 7, *_number("p10_us", ".1f")),
+    ("p90", "us", 7, *_number("p90_us", ".1f")), ("mark", "us", 5, *_number("mark_us", ".1f")),
+    ("loop", "us", 7, *_number("loop_us", ".1f")), ("algbw", "GB/s", 7, *_number("algbw_GBps", ".2f")),
+    ("busbw", "GB/s", 7, *_number("busbw_GBps", ".2f")), ("floor", "us", 7, *_number("floor_us", ".1f")),
+    ("%floor", "%", 6, *_number("floor_frac", ".0f", 100)), ("host", "us", 6, *_number("host_us", ".1f")),
+    ("hloop", "us", 6, *_number("host_loop_us", ".1f")), ("{baseline}", "us", 6, *_number("baseline_us", ".1f")),
+    ("x", "ratio", 5, *_number("speedup", ".2f")), ("held", "", 6, "held", _held_cell),
 ]
 
 
 def format_table(rows: list) -> str:
-    lines = [" ".join(f"{head:>{width}}" for head, width, _ in COLUMNS)]
-    lines += [" ".join(f"{str(cell(r)):>{width}}" for _, width, cell in COLUMNS) for r in rows]
+    """Header, units, a line per row. A column that has no value in any row is left out (on the CPU
+    tier: the device timers', the floor's and held); a cell without a value reads -."""
+    baseline = next((r["backend"] for r in rows if r["backend"] != "triton"), "nccl")
+    columns = [(head.format(baseline=baseline), unit, width, key, cell) for head, unit, width, key, cell in COLUMNS
+               if any(not missing(r[key]) for r in rows)]
+    columns = [(head, unit, max(width, len(head), len(unit)), key, cell) for head, unit, width, key, cell in columns]
+    lines = [" ".join(f"{head:>{width}}" for head, _, width, _, _ in columns),
+             " ".join(f"{unit:>{width}}" for _, unit, width, _, _ in columns)]
+    lines += [" ".join(f"{'-' if missing(r[key]) else cell(r):>{width}}" for _, _, width, key, cell in columns)
+              for r in rows]
     return "\n".join(lines)
 
 

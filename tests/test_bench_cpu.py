@@ -1,8 +1,13 @@
 """The README's first command: the benchmark on the CPU tier writes its data and table."""
 
 import json
+import os
 import subprocess
 import sys
+
+
+def _no_nan(constant):
+    raise ValueError(f"not strict JSON: {constant}")
 
 
 def test_bench_cpu_writes_results(tmp_path):
@@ -10,15 +15,27 @@ def test_bench_cpu_writes_results(tmp_path):
                            "--iters", "2", "--dtype", "float16", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "N backend" in proc.stdout and "4/4" in proc.stdout
-    runs = json.loads((tmp_path / "results.json").read_text())
+    lines = proc.stdout.splitlines()
+    from bench.__main__ import CPU_BANNER, CPU_NOTE
+
+    assert lines[0] == CPU_BANNER and lines[-1] == CPU_NOTE and "4/4" in proc.stdout
+    table = lines[lines.index(next(x for x in lines if x.startswith(" N backend"))):-1]
+    assert table[0].split() == ["N", "backend", "D", "B", "mode", "size", "med", "p10", "p90", "algbw", "busbw",
+                                "host", "gloo", "x"]
+    assert table[1].split() == ["tokens", "bytes", "us", "us", "us", "GB/s", "GB/s", "us", "us", "ratio"]
+    assert len(table) == 6 and not any(" nan" in x or " - " in x or x.endswith("-") for x in table)
+    text = (tmp_path / "results.json").read_text()
+    runs = json.loads(text, parse_constant=_no_nan)  # NaN written as null
     rows = runs[-1]["rows"]
-    assert {r["backend"] for r in rows} == {"triton", "nccl"} and len(rows) == 4
+    assert [r["backend"] for r in rows] == ["triton", "triton", "gloo", "gloo"]
     assert all(r["max_rel_err"] < 1.6e-2 and r["dtype"] == "float16" for r in rows)
-    assert all(r["backend"] == "nccl" or r["speedup"] > 0 for r in rows)
+    assert all(r["speedup"] > 0 and r["baseline_us"] > 0 for r in rows)
     assert all(r["num_warps"] == 8 and r["pdl"] is False and r["timer"] == "host" for r in rows)
+    assert all(r["loop_us"] is None and r["held"] is None for r in rows)
     assert (tmp_path / "results.csv").read_text().count("\n") == 5
-    assert runs[-1]["provenance"]["torch"]
+    prov = runs[-1]["provenance"]
+    assert prov["torch"] and prov["copy_rate_Bps"] is None
+    assert prov["command"] == f"python -m bench --world-size 2 --batch 1 3 --iters 2 --dtype float16 --out {tmp_path}"
     assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
 
 
@@ -63,18 +80,72 @@ def test_csv_rows_stay_under_their_columns(tmp_path):
     assert got == [("1", "2.0", ""), ("3", "5.0", "4.0"), ("7", "6.0", "8.0")]
 
 
-def test_plots_drawn_from_the_data(tmp_path):
-    """Both figures from a run where both backends ran, one panel per group size."""
+def _bench_rows(backends=("triton", "nccl")) -> list:
+    return [dict(world=n, B=b, backend=be, head_dim=64, mode="eager", heads_per_rank=2, dtype="float16", iters=5,
+                 median_us=b * n * (1.0 if be == "triton" else 2.0),
+                 speedup=(2.0 if be == "triton" else 1.0) if "nccl" in backends else None)
+            for n in (2, 3) for b in (1, 2, 4) for be in backends]
+
+
+def _drawn(monkeypatch, tmp_path, rows, gpus=()) -> dict:
+    """Plot the rows as a run's; returns each figure, by file name, as it was saved."""
+    from matplotlib.figure import Figure
+
     from bench.plot import plot
 
-    rows = [dict(world=n, B=b, backend=be, head_dim=64, mode="eager",
-                 median_us=b * n * (1.0 if be == "triton" else 2.0), speedup=2.0 if be == "triton" else 1.0)
-            for n in (2, 3) for b in (1, 2, 4) for be in ("triton", "nccl")]
+    figures, save = {}, Figure.savefig
+
+    def keep(fig, path, **kwargs):
+        figures[os.path.basename(path)] = fig
+        save(fig, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
     data = tmp_path / "results.json"
-    data.write_text(json.dumps([{"rows": rows, "provenance": {"gpus": [], "torch": "t", "triton": "t"}}]))
+    data.write_text(json.dumps([{"rows": rows, "provenance": {"gpus": list(gpus), "torch": "t", "triton": "t"}}]))
     written = plot(str(data), str(tmp_path))
-    assert sorted(p.rsplit("/", 1)[-1] for p in written) == ["latency.png", "speedup.png"]
-    assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
+    assert sorted(os.path.basename(p) for p in written) == sorted(figures)
+    return figures
+
+
+def test_plots_drawn_from_the_data(monkeypatch, tmp_path):
+    """Both figures from a run where both backends ran, one panel per group size, titled with what
+    was timed and where; ticks as plain numbers; a line at y = 1 on the speedup plot."""
+    figures = _drawn(monkeypatch, tmp_path, _bench_rows(), gpus=["NVIDIA H200"] * 2)
+    assert sorted(figures) == ["latency.png", "speedup.png"]
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in figures)
+    for name, fig in figures.items():
+        fig.canvas.draw()
+        title = fig._suptitle.get_text()
+        for part in ("lse_reduce", "D = 64", "float16", "eager", "5 timed calls per point", "2x NVIDIA H200"):
+            assert part in title, (part, title)
+        axes = fig.axes
+        assert [ax.get_title() for ax in axes] == ["N = 2, 4 heads (2 per rank)", "N = 3, 6 heads (2 per rank)"]
+        for ax in axes:
+            assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
+            assert ax.xaxis.get_minorticklabels() == [] and ax.yaxis.get_minorticklabels() == []
+        ys = [t.get_text() for t in axes[0].get_yticklabels()]
+        assert ys == (["1", "2"] if name == "speedup.png" else ["2", "5", "10", "20"]), ys
+    speedup = figures["speedup.png"].axes[0]
+    assert speedup.get_ylabel() == "speedup over nccl (x)"
+    assert any(list(line.get_ydata()) == [1, 1] for line in speedup.get_lines())
+
+
+def test_plot_ticks_and_titles_on_the_cpu_tier(monkeypatch, tmp_path):
+    """Speedups below 1 read 0.5 and 1; the baseline is named gloo; the machine is the interpreter."""
+    rows = [{**r, "backend": "gloo" if r["backend"] == "nccl" else r["backend"],
+             "speedup": 0.7 if r["backend"] == "triton" else 1.0} for r in _bench_rows()]
+    fig = _drawn(monkeypatch, tmp_path, rows)["speedup.png"]
+    fig.canvas.draw()
+    assert "CPU: Triton's interpreter, not a transport" in fig._suptitle.get_text()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.5", "1"] and ax.get_ylabel() == "speedup over gloo (x)"
+
+
+def test_plot_left_from_an_earlier_run_is_removed(monkeypatch, tmp_path):
+    """A run without a baseline draws no speedup plot, and an earlier run's is not left beside it."""
+    (tmp_path / "speedup.png").write_bytes(b"from an earlier run")
+    figures = _drawn(monkeypatch, tmp_path, _bench_rows(backends=("triton",)))
+    assert sorted(figures) == ["latency.png"] and not (tmp_path / "speedup.png").exists()
 
 
 def test_clock_kernel_stores_increasing_times():
@@ -188,8 +259,26 @@ def test_held_column_says_how_the_steps_were_held():
 
     row = dict(held=True, steps_per_hold=3, iters=40)
     assert _held_cell(row) == "yes/3" and _held_cell({**row, "steps_per_hold": 40}) == "yes"
-    assert _held_cell({**row, "held": False}) == "NO/3" and _held_cell({**row, "held": None}) == "-"
-    assert {head: cell for head, _, cell in COLUMNS}["held"] is _held_cell
+    assert _held_cell({**row, "held": False}) == "NO/3"
+    assert {head: cell for head, *_, cell in COLUMNS}["held"] is _held_cell
+
+
+def test_table_leaves_out_the_columns_no_row_fills():
+    """CPU-tier rows: no device timers, floor or held, so no such columns; a value some rows lack
+    (the baseline where it did not run) reads -; a units line under the header."""
+    from bench.__main__ import COLUMNS, format_table
+
+    nan = float("nan")
+    row = {key: 1.0 for _, _, _, key, _ in COLUMNS}
+    row.update(world=2, backend="triton", head_dim=64, B=1, mode="eager", size_bytes=528, steps_per_hold=5, iters=5,
+               mark_us=nan, loop_us=nan, floor_us=nan, floor_frac=nan, host_loop_us=nan, held=None)
+    rows = [row, {**row, "backend": "gloo"}, {**row, "world": 3, "baseline_us": nan, "speedup": nan}]
+    head, units, *lines = format_table(rows).splitlines()
+    assert head.split() == ["N", "backend", "D", "B", "mode", "size", "med", "p10", "p90", "algbw", "busbw", "host",
+                            "gloo", "x"]
+    assert units.split() == ["tokens", "bytes", "us", "us", "us", "GB/s", "GB/s", "us", "us", "ratio"]
+    assert len(lines) == 3 and "nan" not in "".join(lines)
+    assert lines[2].split()[-2:] == ["-", "-"] and lines[1].split()[-2:] == ["1.0", "1.00"]
 
 
 def test_held_run_stops_retrying_only_where_launches_block_twice(monkeypatch):
