@@ -1,4 +1,4 @@
-"""The DCP all-to-all (lse_reduce) timed against the reference, with provenance.
+"""The DCP collectives (lse_reduce, all_gather_heads, and both as a layer) timed against the reference.
 
 Run as ``python -m bench`` or ``dcp-a2a-bench``.
 
@@ -7,9 +7,9 @@ the CPU tier (Triton's interpreter) with none. On the CPU tier the times measure
 a transport, and the nccl backend runs over a gloo process group (its rows are named ``gloo``); the
 table leaves out the columns only a GPU fills. Groups of more than ``MAX_PEERS`` (8) ranks run the
 nccl backend only. ``x`` is the speedup over the nccl backend (or gloo) at the same point. Columns
-follow nccl-tests' all-to-all conventions:
-size is the bytes one rank sends (the packed [N, B, H/N, D+2] buffer), algbw = size / time and
-busbw = algbw * (N - 1) / N.
+follow nccl-tests' conventions: size is, for the combine (an all-to-all), the bytes one rank sends
+(the packed [N, B, H/N, D+2] buffer); for the gather (an all-gather), the bytes of its [B, H, Dq]
+result; for a layer, both; algbw = size / time and busbw = algbw * (N - 1) / N.
 
 Times are device times per call (from one mark between steps to the next: a kernel storing the GPU
 clock, the first node of each graph in graph modes; or ``--timer events``), the slowest rank's
@@ -188,6 +188,13 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=_positive, nargs="+", default=[512, 128] if cuda else [64], metavar="D",
                    help="head dimension, a multiple of 8 up to 1024; a sweep per value")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="partial outputs' dtype")
+    p.add_argument("--op", nargs="+", choices=OPS, default=OPS, metavar="OP",
+                   help="combine (lse_reduce), gather (all_gather_heads, the query all-gather) and/or layer (a "
+                        "gather then a combine, as one DCP attention layer runs them)")
+    p.add_argument("--query-dim", type=_positive, default=576 if cuda else 32, metavar="DQ",
+                   help="query head dimension of the gather (vLLM's MLA: 576)")
+    p.add_argument("--query-dtype", choices=["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"],
+                   default="bfloat16", help="query dtype of the gather")
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"],
                    metavar="BACKEND",
                    help="triton (fused push into peers' buffers) and/or nccl (pack, the process group's "
@@ -206,6 +213,9 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
     p.add_argument("--out", default="results", help="folder for results.csv, results.json (appended to) and the plots")
     return p
+
+
+OPS = ["combine", "gather", "layer"]
 
 
 def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
@@ -255,7 +265,8 @@ def main(argv=None) -> None:
     device = "cuda" if cuda else "cpu"
     seed = int.from_bytes(os.urandom(4), "little")
     mps_on = cuda and (args.mps or bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")))
-    total = sum(len(run) for *_, run in runs) * len(args.head_dim) * len(args.batch) * len(args.modes)
+    total = (sum(len(run) for *_, run in runs) * len(args.head_dim) * len(args.batch) * len(args.modes)
+             * len(args.op))
     where = ""
     try:
         with mps_daemon(args.mps and cuda):
@@ -271,14 +282,16 @@ def main(argv=None) -> None:
                             where = f"N={n} {name} D={d}"
                             tilings = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
                                             args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
-                                            args.timer, args.dtype)[0]
+                                            args.timer, args.dtype, args.query_dim, args.query_dtype)[0]
                             for B in args.batch:
-                                for mode in args.modes:
-                                    where = f"N={n} {name} D={d} B={B} {mode}"
-                                    res = w.run(ranks.run_point, B, mode, args.iters, seed + B, timeout=120)
-                                    rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
-                                                     name, rate, shared, cuda, *tilings[B - 1],
-                                                     args.dtype, args.iters))
+                                for op in args.op:
+                                    for mode in args.modes:
+                                        where = f"N={n} {name} D={d} B={B} {op} {mode}"
+                                        res = w.run(ranks.run_point, B, mode, args.iters, seed + B, op, timeout=120)
+                                        rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
+                                                         name, rate, shared, cuda, *tilings[op][B - 1],
+                                                         args.dtype, args.iters, op, args.query_dim,
+                                                         args.query_dtype))
                                     done = len(rows) * 30 // total
                                     print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} {where}: "
                                           f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
@@ -354,11 +367,28 @@ def _append_csv(path: str, rows: list) -> None:
         writer.writerows(old + rows)
 
 
-def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype, iters) -> dict:
+def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, shared: bool) -> tuple:
+    """(size, floor bytes) of one call of ``op``. size, as nccl-tests counts: the combine's is the
+    bytes one rank sends (the packed [N, B, H/N, D+2] buffer, an all-to-all); the gather's the bytes
+    of its [B, H, Dq] result (an all-gather's total); a layer's both."""
+    combine = (n * B * hn * (d + 2) * 2, floor_bytes(n, B, hn, d, shared))
+    out = B * hn * n * dq * q_size
+    # read this rank's rows, write them to N slots, read N sources' rows back, write the result
+    gather = (out, (B * hn * dq * q_size + 3 * out) * (n if shared else 1))
+    if op == "combine":
+        return combine
+    if op == "gather":
+        return gather
+    return combine[0] + gather[0], combine[1] + gather[1]
+
+
+def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype, iters,
+         op="combine", query_dim=0, query_dtype="bfloat16") -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
-    size = n * B * hn * (d + 2) * 2
-    floor_us = floor_bytes(n, B, hn, d, shared) / rate * 1e6 if cuda else float("nan")
-    return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d,
+    size, floor = op_bytes(op, n, B, hn, d, query_dim or d, getattr(torch, query_dtype).itemsize, shared)
+    floor_us = floor / rate * 1e6 if cuda else float("nan")
+    return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d, op=op,
+                query_dim=query_dim, query_dtype=query_dtype,
                 heads_per_rank=hn, B=B, mode=mode, backend=backend, dtype=dtype, num_warps=num_warps, pdl=pdl,
                 timer=res[0]["timer"], mark_us=max(r["mark_us"] for r in res), size_bytes=size,
                 **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
@@ -375,7 +405,7 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
 def _fill_speedups(rows: list) -> None:
     """baseline_us and speedup (the baseline's time / this time) on the rows of every point where the
     nccl backend ran (the baseline, named by its process group's backend: nccl, or gloo)."""
-    point = lambda r: (r["world"], r["head_dim"], r["B"], r["mode"])
+    point = lambda r: (r["world"], r["head_dim"], r["B"], r["mode"], r.get("op", "combine"))
     baseline = {point(r): r["median_us"] for r in rows if r["backend"] != "triton"}
     for r in rows:
         t = baseline.get(point(r))
@@ -399,7 +429,8 @@ def _field(key: str) -> tuple:
 # The table's columns: header ("{baseline}": the baseline's name), unit, width, the row's field
 # (which decides whether the cell has a value) and how the cell is written.
 COLUMNS = [
-    ("N", "", 2, *_field("world")), ("backend", "", 7, *_field("backend")), ("D", "", 4, *_field("head_dim")),
+    ("N", "", 2, *_field("world")), ("backend", "", 7, *_field("backend")), ("op", "", 7, *_field("op")),
+    ("D", "", 4, *_field("head_dim")),
     ("B", "tokens", 4, *_field("B")), ("mode", "", 6, *_field("mode")), ("size", "bytes", 9, *_field("size_bytes")),
     ("med", "us", 8, *_number("median_us", ".1f")), ("p10", "us", 7, *_number("p10_us", ".1f")),
     ("p90", "us", 7, *_number("p90_us", ".1f")), ("mark", "us", 5, *_number("mark_us", ".1f")),

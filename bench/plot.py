@@ -90,19 +90,19 @@ def plot(results_json: str = "results/results.json", out_dir: str = "results") -
         series = {}
         for r in rows:
             if not missing(r.get(metric)) and (metric != "speedup" or r["backend"] == "triton"):
-                key = (r["world"], r["head_dim"], r["mode"], r["backend"])
+                key = (r["world"], r["head_dim"], r["mode"], r["backend"], r.get("op", "combine"))
                 series.setdefault(key, []).append((r["B"], r[metric]))
         if not series:
             continue
         worlds = sorted({key[0] for key in series})
         fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.8), squeeze=False)
-        styles = {}  # a colour per (mode, backend), the same in every panel; dashed: the smaller head dims
-        for (n, d, mode, backend), pts in sorted(series.items()):
+        styles = {}  # a colour per (op, mode, backend), the same in every panel; dashed: the smaller head dims
+        for (n, d, mode, backend, op), pts in sorted(series.items()):
             pts.sort()
-            color = styles.setdefault((mode, backend), f"C{len(styles)}")
+            color = styles.setdefault((op, mode, backend), f"C{len(styles) % 10}")
             ax = axes[0][worlds.index(n)]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
-                    linestyle="-" if d == max(k[1] for k in series) else "--", label=f"D={d} {mode} {backend}")
+                    linestyle="-" if d == max(k[1] for k in series) else "--", label=f"{op} D={d} {mode} {backend}")
         for n, ax in zip(worlds, axes[0]):
             pts = [p for key, s in series.items() if key[0] == n for p in s]
             ys = [y for _, y in pts]

@@ -41,15 +41,17 @@ def _percentiles(xs: list) -> dict:
 
 
 def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: str, backend: str,
-          num_warps=None, pdl=None, timer: str = "clock", dtype: str = "bfloat16") -> list:
-    """Build this rank's communicator; returns the tiling of each call size from 1 to
+          num_warps=None, pdl=None, timer: str = "clock", dtype: str = "bfloat16", query_dim: int = 0,
+          query_dtype: str = "bfloat16") -> dict:
+    """Build this rank's communicator; returns, by op, the tiling of each call size from 1 to
     ``max_tokens`` (warps per program, programmatic dependent launch: ``DcpAllToAll.tiling``)."""
     if "comm" in state:
         state.pop("comm").close()
     n = dist.get_world_size()
     state["comm"] = comm = DcpAllToAll(dist.group.WORLD, max_tokens=max_tokens, num_heads=heads_per_rank * n,
                                        head_dim=head_dim, dtype=getattr(torch, dtype), device=device, backend=backend,
-                                       num_warps=num_warps, pdl=pdl)
+                                       num_warps=num_warps, pdl=pdl, query_dim=query_dim or head_dim,
+                                       query_dtype=getattr(torch, query_dtype))
     if comm.device.type == "cuda":
         calibrate(state)
         state["timer"] = timer
@@ -59,7 +61,9 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         torch.cuda.synchronize()
         timed = held_steps(state, probe, probe.mark, MARK_PROBES, MARK_PROBES * 100)
         state["mark_us"] = max(gather(statistics.median(timed.step_us))) if timed.held else float("nan")
-    return [comm.tiling(b) for b in range(1, max_tokens + 1)]
+    combine = [comm.tiling(b) for b in range(1, max_tokens + 1)]
+    gather = [comm.tiling(b, gather=True) for b in range(1, max_tokens + 1)]
+    return {"combine": combine, "gather": gather, "layer": combine}
 
 
 def calibrate(state) -> None:
@@ -208,18 +212,44 @@ def _hold(state, us: float) -> None:
     torch.cuda._sleep(int(state["cycles_per_us"] * (us + 1000)))
 
 
-def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
-    """mode: eager, graph (one call per graph) or graph8 (eight calls per graph, like layers)."""
+def _queries(seed: int, comm: DcpAllToAll, B: int) -> list:
+    """Every rank's queries as random bit patterns of the query dtype (a gather copies bits)."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes = comm.heads_per_rank * comm.query_dim * comm.query_dtype.itemsize
+    return [torch.randint(0, 256, (B, nbytes), dtype=torch.uint8, generator=g).view(comm.query_dtype)
+            .view(B, comm.heads_per_rank, comm.query_dim) for _ in range(comm.world)]
+
+
+def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combine") -> dict:
+    """mode: eager, graph (one call per graph) or graph8 (eight calls per graph, like layers); op:
+    combine (``lse_reduce``), gather (``all_gather_heads``) or layer (a gather, then a combine).
+    Each op's result is first checked: the combine against float64, the gather byte for byte."""
     comm: DcpAllToAll = state["comm"]
     dev, n, rank, hn = comm.device, comm.world, comm.rank, comm.heads_per_rank
     H, D = comm.num_heads, comm.head_dim
     outs, lses = make_inputs(seed, n, B, H, D, comm.dtype)
     po, pl = outs[rank].to(dev), lses[rank].to(dev)
     y = torch.full((B, hn, D), float("nan"), dtype=comm.dtype, device=dev)
-    comm.lse_reduce(po, pl, out=y)
-    ref, _ = chunk_reference(outs, lses, rank, hn)
-    err = max_rel_error(y, ref)
-    assert err < 1.6e-2, f"B={B}: result differs from the reference ({err})"
+    qs = _queries(seed + 1, comm, B)
+    q = qs[rank].to(dev)
+    q_all = torch.empty((B, H, comm.query_dim), dtype=comm.query_dtype, device=dev)
+    combine = lambda: comm.lse_reduce(po, pl, out=y)
+    gather_q = lambda: comm.all_gather_heads(q, out=q_all)
+
+    def layer() -> None:
+        gather_q()
+        combine()
+
+    call = {"combine": combine, "gather": gather_q, "layer": layer}[op]
+    call()
+    err = 0.0
+    if op != "gather":
+        ref, _ = chunk_reference(outs, lses, rank, hn)
+        err = max_rel_error(y, ref)
+        assert err < 1.6e-2, f"B={B}: result differs from the reference ({err})"
+    if op != "combine":
+        want = torch.cat(qs, dim=1).view(torch.uint8)
+        assert torch.equal(q_all.cpu().view(torch.uint8), want), f"B={B}: the gather differs from the queries"
     cuda = dev.type == "cuda"
     calls = 8 if mode == "graph8" else 1
     marks = Marks(state["timer"], iters) if cuda else None
@@ -231,7 +261,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
             if with_mark:
                 marks.mark()
             for _ in range(calls):
-                comm.lse_reduce(po, pl, out=y)
+                call()
         return graph.replay
 
     if mode.startswith("graph"):
@@ -239,7 +269,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int) -> dict:
         # The second loop replays graphs without the mark: nothing but the calls between its events.
         plain_step = captured(False) if in_graph else step
     else:
-        step = plain_step = lambda: comm.lse_reduce(po, pl, out=y)
+        step = plain_step = call
     mark = marks.mark if cuda and not in_graph else lambda: None
     t0 = time.perf_counter()
     for _ in range(min(10, iters)):

@@ -22,6 +22,8 @@ from dcp.errors import DcpError, DcpPeerLostError
 from dcp.protocol import SMALL_CALL_WARPS, ChannelLayout, ChannelRegion, status_error, status_words
 
 _LOG2E = 1.4426950408889634
+# torch 2.13 renames the group all-gather into one tensor; older releases have only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _data_ptr = torch.Tensor.data_ptr
 # Triton's interpreter patches its language module while a kernel runs: one kernel at a time per
 # process. A second thread's launch is refused rather than queued: it could wait behind a call
@@ -232,7 +234,7 @@ class NcclTransport:
         # The group's first collectives set up its communicator: here, not inside a capture.
         try:
             dist.all_to_all_single(self.recv[0][:layout.world], self.send[0][:layout.world], group=group)
-            dist.all_gather_into_tensor(self.recv[0][:layout.world], self.send[0][:1], group=group)
+            _all_gather_single(self.recv[0][:layout.world], self.send[0][:1], group=group)
         except Exception as exc:
             raise DcpPeerLostError(f"NCCL path setup: the group's collectives failed ({type(exc).__name__}: {exc})")
 
@@ -257,7 +259,7 @@ class NcclTransport:
         words = n_tokens * hn * w // 2
         send, recv = self.send[channel][:words], self.recv[channel][:n * words]
         send.view(torch.int16).view(n_tokens, hn, w).copy_(q16)
-        dist.all_gather_into_tensor(recv, send, group=self.group)
+        _all_gather_single(recv, send, group=self.group)
         y16.unflatten(1, (n, hn)).copy_(recv.view(torch.int16).view(n, n_tokens, hn, w).transpose(0, 1))
 
     def tiling(self, n_tokens: int, kind: int = KIND_COMBINE) -> tuple:

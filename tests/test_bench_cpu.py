@@ -12,30 +12,33 @@ def _no_nan(constant):
 
 def test_bench_cpu_writes_results(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench", "--world-size", "2", "--batch", "1", "3",
-                           "--iters", "2", "--dtype", "float16", "--out", str(tmp_path)],
+                           "--iters", "2", "--dtype", "float16", "--op", "combine", "gather", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     from bench.__main__ import CPU_BANNER, CPU_NOTE
 
-    assert lines[0] == CPU_BANNER and lines[-1] == CPU_NOTE and "4/4" in proc.stdout
+    assert lines[0] == CPU_BANNER and lines[-1] == CPU_NOTE and "8/8" in proc.stdout
     table = lines[lines.index(next(x for x in lines if x.startswith(" N backend"))):-1]
-    assert table[0].split() == ["N", "backend", "D", "B", "mode", "size", "med", "p10", "p90", "algbw", "busbw",
-                                "host", "gloo", "x"]
+    assert table[0].split() == ["N", "backend", "op", "D", "B", "mode", "size", "med", "p10", "p90", "algbw",
+                                "busbw", "host", "gloo", "x"]
     assert table[1].split() == ["tokens", "bytes", "us", "us", "us", "GB/s", "GB/s", "us", "us", "ratio"]
-    assert len(table) == 6 and not any(" nan" in x or " - " in x or x.endswith("-") for x in table)
+    assert len(table) == 10 and not any(" nan" in x or " - " in x or x.endswith("-") for x in table)
     text = (tmp_path / "results.json").read_text()
     runs = json.loads(text, parse_constant=_no_nan)  # NaN written as null
     rows = runs[-1]["rows"]
-    assert [r["backend"] for r in rows] == ["triton", "triton", "gloo", "gloo"]
+    assert [r["backend"] for r in rows] == ["triton"] * 4 + ["gloo"] * 4
+    assert [r["op"] for r in rows] == ["combine", "gather"] * 4
     assert all(r["max_rel_err"] < 1.6e-2 and r["dtype"] == "float16" for r in rows)
     assert all(r["speedup"] > 0 and r["baseline_us"] > 0 for r in rows)
-    assert all(r["num_warps"] == 8 and r["pdl"] is False and r["timer"] == "host" for r in rows)
+    assert all(r["num_warps"] == 8 for r in rows if r["op"] == "combine")
+    assert all(r["pdl"] is False and r["timer"] == "host" for r in rows)
     assert all(r["loop_us"] is None and r["held"] is None for r in rows)
-    assert (tmp_path / "results.csv").read_text().count("\n") == 5
+    assert (tmp_path / "results.csv").read_text().count("\n") == 9
     prov = runs[-1]["provenance"]
     assert prov["torch"] and prov["copy_rate_Bps"] is None
-    assert prov["command"] == f"python -m bench --world-size 2 --batch 1 3 --iters 2 --dtype float16 --out {tmp_path}"
+    assert prov["command"] == (f"python -m bench --world-size 2 --batch 1 3 --iters 2 --dtype float16 --op combine "
+                               f"gather --out {tmp_path}")
     assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
 
 
@@ -270,12 +273,13 @@ def test_table_leaves_out_the_columns_no_row_fills():
 
     nan = float("nan")
     row = {key: 1.0 for _, _, _, key, _ in COLUMNS}
-    row.update(world=2, backend="triton", head_dim=64, B=1, mode="eager", size_bytes=528, steps_per_hold=5, iters=5,
+    row.update(world=2, backend="triton", op="combine", head_dim=64, B=1, mode="eager", size_bytes=528,
+               steps_per_hold=5, iters=5,
                mark_us=nan, loop_us=nan, floor_us=nan, floor_frac=nan, host_loop_us=nan, held=None)
     rows = [row, {**row, "backend": "gloo"}, {**row, "world": 3, "baseline_us": nan, "speedup": nan}]
     head, units, *lines = format_table(rows).splitlines()
-    assert head.split() == ["N", "backend", "D", "B", "mode", "size", "med", "p10", "p90", "algbw", "busbw", "host",
-                            "gloo", "x"]
+    assert head.split() == ["N", "backend", "op", "D", "B", "mode", "size", "med", "p10", "p90", "algbw", "busbw",
+                            "host", "gloo", "x"]
     assert units.split() == ["tokens", "bytes", "us", "us", "us", "GB/s", "GB/s", "us", "us", "ratio"]
     assert len(lines) == 3 and "nan" not in "".join(lines)
     assert lines[2].split()[-2:] == ["-", "-"] and lines[1].split()[-2:] == ["1.0", "1.00"]
