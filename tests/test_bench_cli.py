@@ -100,7 +100,8 @@ def test_group_above_eight_runs_the_nccl_backend_only(tmp_path):
     """N = 9, started as the console script: triton left out in one line, the nccl backend (gloo
     here) runs; the speedup plot of an earlier run is removed (this run has no triton rows)."""
     (tmp_path / "speedup.png").write_bytes(b"from an earlier run")
-    proc = _bench("--world-size", "9", "--heads-per-rank", "1", "--head-dim", "8", "--batch", "1", "--iters", "1", "--op", "combine",
+    proc = _bench("--world-size", "9", "--heads-per-rank", "1", "--head-dim", "8", "--batch", "1", "--iters", "1",
+                  "--op", "combine",
                   "--out", str(tmp_path), script="/usr/local/bin/dcp-a2a-bench")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "N=9: triton not run (the triton path serves up to 8 ranks); gloo only" in proc.stdout.splitlines()

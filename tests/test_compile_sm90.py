@@ -11,7 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from dcp.protocol import ChannelLayout
+from dcp.protocol import ChannelLayout, ChannelRegion
 from dcp.kernels import build_kernels
 
 
@@ -50,9 +50,10 @@ def _spill_bytes(ptx: str, tmp_path) -> int:
 def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope, warps, pdl, tmp_path):
     lay = ChannelLayout(world=6, heads_per_rank=16, head_dim=512, max_tokens=512)
     assert set(lay.tilings) == {8, 16}
+    region = ChannelRegion((lay, ChannelLayout(6, 16, 576, 512, lse=False)))
     ptx = _compile(build_kernels(False).fused,
                    {"po": "*bf16", "lse": f"*{lse_ty}", "y": "*bf16", "y_lse": "*fp32", "ctl": "*i64"},
-                   dict(lay.constexprs(warps), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False, PDL=pdl),
+                   dict(region.constexprs(lay, warps), ALIGNED=True, GPU_SCOPE=scope == "gpu", TRACE=False, PDL=pdl),
                    aligned_ptrs=("po", "y"), num_warps=warps, pdl=pdl)
     assert _spill_bytes(ptx, tmp_path) == 0, "register spills"
     other = {"sys": "gpu", "gpu": "sys"}[scope]
@@ -72,6 +73,20 @@ def test_fused_kernel_compiles_with_vector_rows_and_scoped_sync(lse_ty, scope, w
     assert not re.search(r"st\.global\.b16", ptx), "scalar 2-byte row stores"
     if lse_ty == "fp32":  # (a bf16 LSE itself is read 2 bytes per row)
         assert not re.search(r"ld\.global\.b16", ptx), "scalar 2-byte row loads"
+
+
+@pytest.mark.parametrize("words,warps", [(576, 8), (288, 2), (576, 16)])  # Dq = 576 bf16 (fp8: 288 words)
+def test_gather_compiles_with_vector_rows(words, warps, tmp_path):
+    """The query all-gather variant: rows of 16-bit words pushed and copied out as 16-byte vectors."""
+    lay, gl = ChannelLayout(3, 16, 512, 512), ChannelLayout(3, 16, words, 512, lse=False)
+    ptx = _compile(build_kernels(False).fused,
+                   {"po": "*i16", "lse": "*fp32", "y": "*i16", "y_lse": "*fp32", "ctl": "*i64"},
+                   dict(ChannelRegion((lay, gl)).constexprs(gl, warps), ALIGNED=True, GPU_SCOPE=True, TRACE=False,
+                        PDL=True), aligned_ptrs=("po", "y"), num_warps=warps, pdl=True)
+    assert _spill_bytes(ptx, tmp_path) == 0, "register spills"
+    assert len(re.findall(r"st\.global\.v4", ptx)) >= 2 and len(re.findall(r"ld\.global\.v4", ptx)) >= 2
+    assert not re.search(r"st\.global\.b16", ptx), "scalar 2-byte row stores"
+    assert "trap" not in ptx and "griddepcontrol.wait" in ptx
 
 
 def test_nccl_path_kernels_compile():
