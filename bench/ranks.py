@@ -62,8 +62,8 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         timed = held_steps(state, probe, probe.mark, MARK_PROBES, MARK_PROBES * 100)
         state["mark_us"] = max(gather(statistics.median(timed.step_us))) if timed.held else float("nan")
     combine = [comm.tiling(b) for b in range(1, max_tokens + 1)]
-    gather = [comm.tiling(b, gather=True) for b in range(1, max_tokens + 1)]
-    return {"combine": combine, "gather": gather, "layer": combine}
+    return {"combine": combine, "gather": [comm.tiling(b, gather=True) for b in range(1, max_tokens + 1)],
+            "layer": combine}
 
 
 def calibrate(state) -> None:
