@@ -310,3 +310,19 @@ def graph_after_poison(state, key: str, seed: int) -> dict:
     torch.cuda.synchronize()
     return {"err": err, "mismatch": mismatch, "nan_after": bool(torch.isnan(y.float()).all()),
             "recorded": comm._transport.error(0) is not None}
+
+
+def rounding_case(state, key: str, seed: int) -> int:
+    """Two ranks of equal LSE: the fp32 mean of two bf16/fp16 values is exact, so the stored result
+    must be the float64 reference rounded to nearest even, bit for bit (not truncated)."""
+    comm: DcpAllToAll = state[key]
+    B, H, D = 4, comm.num_heads, comm.head_dim
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(B, H, D, generator=g).to(comm.dtype) for _ in range(comm.world)]
+    lses = [torch.zeros(B, H) for _ in range(comm.world)]
+    y = comm.lse_reduce(outs[comm.rank].to(comm.device), lses[comm.rank].to(comm.device), check=True)
+    ref, _ = chunk_reference(outs, lses, comm.rank, comm.heads_per_rank)
+    want = ref.to(comm.dtype)
+    assert torch.equal(y.cpu().view(torch.int16), want.view(torch.int16)), \
+        f"{int((y.cpu() != want).sum())} of {want.numel()} values not rounded to nearest even"
+    return want.numel()

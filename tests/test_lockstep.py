@@ -169,3 +169,11 @@ def test_a_rank_outside_the_subgroup_is_told(worlds):
     res = worlds(3).run(lc.outside_the_subgroup, fresh_seed())
     assert res[0].startswith("ok") and res[1].startswith("ok"), res
     assert "not a member" in res[2], res
+
+
+@pytest.mark.parametrize("dtype", ["float16"])  # bf16: Triton 3.6's interpreter still truncates (open)
+def test_outputs_round_to_nearest_even_as_on_the_gpu(worlds, dtype):
+    w = worlds(2)
+    _comm(w, dtype=dtype)
+    assert all(w.run(lc.rounding_case, "ls", fresh_seed()))
+    w.run(rc.close_comm, "ls")
