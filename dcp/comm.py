@@ -61,7 +61,8 @@ def _span(t: torch.Tensor) -> tuple:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share an element (spans first: exact only where they interleave)."""
+    """Whether two views of one allocation may share an element: their spans first, then torch's
+    own check, which also refuses views that interleave without touching."""
     (a0, a1), (b0, b1) = _span(a), _span(b)
     if a0 >= b1 or b0 >= a1:
         return False
@@ -577,14 +578,18 @@ class DcpAllToAll:
     @staticmethod
     def _refuse_overlap(inputs: tuple, outputs: tuple) -> None:
         """Outputs are written while other programs (and, chunk by chunk, later launches) still read
-        the inputs: no output may share memory with an input or with another output."""
-        named = list(inputs) + list(outputs)
-        for i in range(len(inputs), len(named)):
-            a_name, a = named[i]
-            if a is None:
-                continue
-            for b_name, b in named[:i]:
-                if b is not None and _overlaps(a, b):
+        the inputs: no output may share memory with an input or with another output. Only views of
+        one allocation can share it: each tensor's allocation is read once, and only tensors of one
+        allocation are compared further (``_overlaps``)."""
+        named = [(name, t, t.untyped_storage().data_ptr()) for name, t in inputs + outputs if t is not None]
+        bases = [base for _, _, base in named]
+        if len(set(bases)) == len(bases):
+            return  # every tensor has an allocation of its own
+        first_out = sum(1 for _, t in inputs if t is not None)
+        for i in range(first_out, len(named)):
+            a_name, a, a_base = named[i]
+            for b_name, b, b_base in named[:i]:
+                if a_base == b_base and _overlaps(a, b):
                     raise ValueError(f"{a_name}: expected memory of its own, but it overlaps {b_name} (outputs "
                                      "must not share, or interleave with, the memory of inputs or other outputs)")
 

@@ -41,12 +41,15 @@ def _raises(fn, types=(DcpError,)) -> str:
 
 
 def _then_poisoned(comm: DcpAllToAll, seed: int, B: int = 2, channel: int = 0) -> str:
-    """The next correct call on the channel must raise, on every rank, and leave ``out`` alone."""
+    """The next correct call on the channel must raise, on every rank, writing nothing but NaN."""
     outs, lses, po, pl = _inputs(comm, seed, B)
     out = torch.full((B, comm.heads_per_rank, comm.head_dim), 7.0, dtype=comm.dtype, device=comm.device)
     msg = _raises(lambda: comm.lse_reduce(po, pl, out=out, channel=channel, check=True))
     if comm.device.type == "cuda":
         torch.cuda.synchronize()
+    # untouched (raised before launch), or NaN (on a GPU the host may learn of the failure only from
+    # this call's own poisoned kernel): never rows of any call
+    assert ((out.float() == 7.0) | out.float().isnan()).all(), "a call that raised wrote rows"
     return msg
 
 
