@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
-from dcp.reference import chunk_reference, make_inputs, max_rel_error
+from dcp.reference import chunk_reference, make_inputs, make_queries, max_rel_error
 from dcp.kernels import build_kernels
 
 MARK_PROBES = 100  # marks timed back to back in setup: what one costs
@@ -212,14 +212,6 @@ def _hold(state, us: float) -> None:
     torch.cuda._sleep(int(state["cycles_per_us"] * (us + 1000)))
 
 
-def _queries(seed: int, comm: DcpAllToAll, B: int) -> list:
-    """Every rank's queries as random bit patterns of the query dtype (a gather copies bits)."""
-    g = torch.Generator().manual_seed(seed)
-    nbytes = comm.heads_per_rank * comm.query_dim * comm.query_dtype.itemsize
-    return [torch.randint(0, 256, (B, nbytes), dtype=torch.uint8, generator=g).view(comm.query_dtype)
-            .view(B, comm.heads_per_rank, comm.query_dim) for _ in range(comm.world)]
-
-
 def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combine") -> dict:
     """mode: eager, graph (one call per graph) or graph8 (eight calls per graph, like layers); op:
     combine (``lse_reduce``), gather (``all_gather_heads``) or layer (a gather, then a combine).
@@ -230,7 +222,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
     outs, lses = make_inputs(seed, n, B, H, D, comm.dtype)
     po, pl = outs[rank].to(dev), lses[rank].to(dev)
     y = torch.full((B, hn, D), float("nan"), dtype=comm.dtype, device=dev)
-    qs = _queries(seed + 1, comm, B)
+    qs = make_queries(seed + 1, n, B, hn, comm.query_dim, comm.query_dtype)
     q = qs[rank].to(dev)
     q_all = torch.empty((B, H, comm.query_dim), dtype=comm.query_dtype, device=dev)
     combine = lambda: comm.lse_reduce(po, pl, out=y)

@@ -55,3 +55,12 @@ def make_inputs(seed: int, world: int, B: int, H: int, D: int, dtype, lse_dtype=
             lses[r][0, 0] = NEG_INF
             outs[r][0, 0] = float("nan")
     return outs, lses
+
+
+def make_queries(seed: int, world: int, B: int, heads_per_rank: int, query_dim: int, dtype) -> list:
+    """Every rank's [B, H/N, Dq] queries from one seed, as random bit patterns of ``dtype`` (NaN and
+    inf payloads included: a gather copies bits, it never computes)."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes = heads_per_rank * query_dim * dtype.itemsize
+    return [torch.randint(0, 256, (B, nbytes), dtype=torch.uint8, generator=g).view(dtype)
+            .view(B, heads_per_rank, query_dim) for _ in range(world)]

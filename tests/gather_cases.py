@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from dcp import DcpAllToAll, DcpMismatchError
+from dcp import DcpAllToAll, DcpMismatchError, reference
 from tests.lockstep_cases import _raises
 from tests.rank_cases import DTYPES, lse_case
 
@@ -12,12 +12,7 @@ POISON_BYTE = 0x5A
 
 
 def make_queries(seed: int, comm: DcpAllToAll, B: int) -> list:
-    """Every rank's [B, H/N, Dq] queries from one seed, as random bit patterns of the query dtype
-    (NaN and inf payloads included: a gather copies bits, it never computes)."""
-    g = torch.Generator().manual_seed(seed)
-    nbytes = comm.heads_per_rank * comm.query_dim * comm.query_dtype.itemsize
-    return [torch.randint(0, 256, (B, nbytes), dtype=torch.uint8, generator=g)
-            .view(comm.query_dtype).view(B, comm.heads_per_rank, comm.query_dim) for _ in range(comm.world)]
+    return reference.make_queries(seed, comm.world, B, comm.heads_per_rank, comm.query_dim, comm.query_dtype)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
