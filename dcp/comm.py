@@ -561,7 +561,7 @@ class DcpAllToAll:
         (The gather's ``lse`` is the scratch word: it is not sliced.)"""
         key, strides = operands
         write_lse, lse_arg = (False, self._lse_scratch) if y_lse is None else (True, y_lse)
-        tag = call_tag(kind, B)
+        tag = call_tag(kind, B, not base_e)
         try:
             if B <= self.max_tokens:
                 self._transport.launch(key, strides, po, lse, y, lse_arg, B, tag, channel, write_lse, base_e)

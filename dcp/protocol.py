@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from dcp.kernels import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT, TAG_KIND_SHIFT,
-                     TAG_MAX_TOKENS, TAG_NONE, TAG_POISONED)
+from dcp.kernels import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT,
+                         TAG_BASE2, TAG_KIND_SHIFT, TAG_MAX_TOKENS, TAG_NONE, TAG_POISONED)
 from dcp.errors import DcpError, DcpMismatchError, DcpTimeoutError
 
 STATE_BYTES = 64  # the epoch word and the poison word, local to the rank
@@ -151,9 +151,10 @@ class ChannelRegion:
                     GATHER=not layout.lse)
 
 
-def call_tag(kind: int, n_tokens: int) -> int:
-    """The tag a call's flags carry: its kind and its total B (every launch of the call alike)."""
-    return (kind << TAG_KIND_SHIFT) | n_tokens
+def call_tag(kind: int, n_tokens: int, base2: bool = False) -> int:
+    """The tag a call's flags carry: its kind, its LSEs' base and its total B (every launch of the
+    call alike)."""
+    return (kind << TAG_KIND_SHIFT) | (TAG_BASE2 if base2 else 0) | n_tokens
 
 
 _KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "query all-gather"}
@@ -166,7 +167,9 @@ def describe_tag(tag: int) -> str:
         return "had already failed a call on this channel"
     if tag == TAG_NONE:
         return "sent nothing of this call"
-    return f"{_KINDS.get(tag >> TAG_KIND_SHIFT, 'unknown call')} of B={tag & TAG_MAX_TOKENS}"
+    kind = tag >> TAG_KIND_SHIFT
+    base = f" (LSE base {2 if tag & TAG_BASE2 else 'e'})" if kind == KIND_COMBINE else ""
+    return f"{_KINDS.get(kind, 'unknown call')} of B={tag & TAG_MAX_TOKENS}{base}"
 
 
 def status_words(address: int) -> "ctypes.Array":

@@ -51,13 +51,14 @@ STATUS_TIMEOUT = 1
 STATUS_MISMATCH = 2
 MAX_PEERS = 8
 
-# A flag names its call: the epoch, and above it the call's tag. A call's tag is its kind and its
-# total token count B (not the launch's: a call above max_tokens runs in several launches), so that
-# ranks pair only launches of the same call. Negative tags announce a call that moves no data:
+# A flag names its call: the epoch, and above it the call's tag. A call's tag is its kind, the base
+# of its LSEs (a combine's ranks must agree on it) and its total token count B (not the launch's: a
+# call above max_tokens runs in several launches), so that ranks pair only launches of one call. Negative tags announce a call that moves no data:
 # ABORT, the rank rejected its call before launch; POISONED, its channel failed earlier. LOAD is
 # the constructor's launch that only loads a variant and touches nothing.
 TAG_KIND_SHIFT = 28
-TAG_MAX_TOKENS = (1 << TAG_KIND_SHIFT) - 1
+TAG_BASE2 = 1 << 27
+TAG_MAX_TOKENS = TAG_BASE2 - 1
 KIND_COMBINE = 0
 KIND_GATHER = 1
 TAG_ABORT = -1

@@ -329,3 +329,13 @@ def rounding_case(state, key: str, seed: int) -> int:
     assert torch.equal(y.cpu().view(torch.int16), want.view(torch.int16)), \
         f"{int((y.cpu() != want).sum())} of {want.numel()} values not rounded to nearest even"
     return want.numel()
+
+
+def lse_bases(state, key: str, seed: int, base_e_on: list) -> dict:
+    """Rank r's LSEs are base e if ``base_e_on[r]`` else base 2: the weights would disagree, so every
+    rank must raise (a mismatch), then stay poisoned."""
+    comm: DcpAllToAll = state[key]
+    _, _, po, pl = _inputs(comm, seed, 2)
+    first = _raises(lambda: comm.lse_reduce(po, pl, is_lse_base_on_e=base_e_on[comm.rank], check=True),
+                    (DcpMismatchError,))
+    return {"first": first, "next": _then_poisoned(comm, seed + 1)}
