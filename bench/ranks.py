@@ -14,7 +14,7 @@ with nothing queued between calls.
 
 A mark is a one-thread kernel that stores the GPU's clock (``timer="clock"``, the default) or a
 CUDA event (``"events"``). Under MPS on one H200 an event between steps read up to 13 us more per
-step than the clock kernel (N = 6, B = 8, eager; ``docs/NOTES.md``, item 12), more than a small
+step than the clock kernel (N = 6, B = 8, eager; docs/design.md, section 6), more than a small
 call takes. A step's time includes one mark, whose own cost (marks back to back with nothing
 between) is reported as ``mark_us``. In graph modes the clock mark is the graph's first node, so
 that a step is one replay, as a model replays its graphs, and not a replay plus a launch of its own.
@@ -81,7 +81,7 @@ def calibrate(state) -> None:
 
 
 # A launch that took longer than this waited for a full queue to drain: CUDA lets only some tens of
-# replays of NCCL's captured graphs wait in a stream (docs/NOTES.md, item 32).
+# replays of NCCL's captured graphs wait in a stream (docs/design.md, section 6).
 BLOCKED_US = 500
 
 

@@ -93,7 +93,7 @@ class _Launcher:
 
 
 class TritonTransport:
-    """One fused kernel per call pushing into peers' symmetric buffers (DESIGN section 3)."""
+    """One fused kernel per call pushing into peers' symmetric buffers (docs/design.md, section 2)."""
 
     name = "triton"
 

@@ -15,7 +15,7 @@ from dcp.kernels import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIME
 from dcp.errors import DcpError, DcpMismatchError, DcpTimeoutError
 
 STATE_BYTES = 64  # the epoch word and the poison word, local to the rank
-# Warps per program by call size (docs/NOTES.md, H200s): a small call takes the fewest warps, so the
+# Warps per program by call size (docs/design.md, section 5.2): a small call takes the fewest warps, so the
 # fewest rows per tile, whose tiles the grid covers in one round, spreading its bytes and fences
 # over more SMs; 8 where none does; large calls take 16, half as many tile steps per program.
 SMALL_CALL_WARPS, LARGE_CALL_WARPS, LARGE_CALL_TOKENS = 8, 16, 128

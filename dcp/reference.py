@@ -1,4 +1,4 @@
-"""The float64 reference of DESIGN section 1, and inputs for every rank drawn from one seed."""
+"""The float64 reference of docs/design.md, section 1, and inputs for every rank drawn from one seed."""
 
 import torch
 

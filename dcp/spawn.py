@@ -1,7 +1,7 @@
 """Local rank processes for tests and benchmarks: spawned once, driven by function name.
 
-Each rank is a process (ranks on streams of one process can deadlock, see DESIGN). Every call has a
-timeout; on timeout or close the processes are killed, so no test leaves one behind.
+Each rank is a process (ranks on streams of one process can deadlock: docs/design.md, section 2).
+Every call has a timeout; on timeout or close the processes are killed, so no test leaves one behind.
 """
 
 import importlib

@@ -169,6 +169,16 @@ def _load_lse(src32, row, rmask, ROW: tl.constexpr, D: tl.constexpr):
     return tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
 
 
+def _round_to(acc, out_ty: tl.constexpr):
+    """fp32 to the output dtype, rounded to nearest even on both tiers. bf16 by integer arithmetic:
+    Triton 3.6's interpreter truncates an fp32-to-bf16 cast whatever rounding it is asked for."""
+    if out_ty == tl.bfloat16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        hi = tl.where(acc != acc, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return acc.to(out_ty, fp_downcast_rounding="rtne")
+
+
 def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
                   N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
                   D: tl.constexpr):
@@ -199,7 +209,7 @@ def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask,
         w = tl.exp2((_load_lse(src32, row, rmask, ROW, D) - m) * log2_scale) * inv
         ov = tl.load(src16 + row[:, None] * ROW + c_off[None, :], mask=omask, other=0)
         acc += tl.where(w[:, None] > 0, w[:, None] * ov.to(out_ty, bitcast=True).to(tl.float32), 0.0)
-    tl.store(y_ptrs, acc.to(out_ty, fp_downcast_rounding="rtne"), mask=omask)
+    tl.store(y_ptrs, _round_to(acc, out_ty), mask=omask)
     if write_lse != 0:
         tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
 
@@ -520,7 +530,7 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_tile_rows, _load_tile, _store_tile, _load_rows, _store_rows, _copy_rows, _load_lse,
+_SHARED_HELPERS = (_tile_rows, _load_tile, _store_tile, _load_rows, _store_rows, _copy_rows, _load_lse, _round_to,
                    _combine_rows, _finish_combine, _stamp, _scale_strides, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse"]

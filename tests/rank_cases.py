@@ -494,7 +494,7 @@ def construct_close_loop(state, times: int, device: str = "cpu", max_tokens: int
     after, free1 = _resources(), free()
     # A leak of even one resource per communicator would show ``times`` over. Mappings may grow once:
     # on CPU a rank maps one more region (anonymous, 1 MiB + 4 KiB) once, between its 40th and 60th
-    # construction, and none in the next 60; so did e34db41's constructor (docs/NOTES.md, item 48).
+    # construction, and none in the next 60; so did e34db41's constructor.
     maps_grown = after.pop("maps") - before.pop("maps")
     assert after == before and 0 <= maps_grown <= 1, (before, after, maps_grown)
     assert abs(free1 - free0) < max(per, 1 << 20) * n, (free0, free1)

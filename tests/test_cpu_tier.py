@@ -39,7 +39,7 @@ def test_lse_reduce_matches_reference(worlds, n):
 
 
 def test_small_calls_take_the_smallest_tiles_one_round_of_the_grid_covers():
-    """The tiling rule, at the shapes measured on H200s (docs/NOTES.md, items 45 and 46): a small
+    """The tiling rule, at the shapes measured on H200s (docs/design.md, section 5.2): a small
     call takes the fewest warps (and so the fewest rows per tile) whose tiles the grid covers in one
     round, a warp count being skipped where it gives no fewer rows than twice as many; else 8."""
     def warps(world, programs, sizes, **kw):

@@ -181,7 +181,7 @@ def test_a_rank_outside_the_subgroup_is_told(worlds):
     assert "not a member" in res[2], res
 
 
-@pytest.mark.parametrize("dtype", ["float16"])  # bf16: Triton 3.6's interpreter still truncates (open)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_outputs_round_to_nearest_even_as_on_the_gpu(worlds, dtype):
     w = worlds(2)
     _comm(w, dtype=dtype)
