@@ -31,6 +31,13 @@ _data_ptr = torch.Tensor.data_ptr
 _INTERPRETER = threading.Lock()
 
 
+def no_metadata(device: torch.device) -> tuple:
+    """The launch arguments of a call without vLLM's batch metadata: (seq_lens, query_start_loc,
+    num_seqs = -1, their strides, first token); the pointers are never read."""
+    word = torch.zeros(1, dtype=torch.int32, device=device)
+    return (word, word, -1, 1, 1, 0)
+
+
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook is set (a chain of hooks, or one callable in older versions)."""
     return bool(getattr(hook, "calls", hook))
@@ -102,6 +109,7 @@ class TritonTransport:
         """``layouts``: kind (KIND_COMBINE, KIND_GATHER) -> its ChannelLayout on ``region``."""
         self.group, self.layout, self.region, self.device = group, layouts[KIND_COMBINE], region, device
         self.rank = dist.get_rank(group)
+        self.no_meta = no_metadata(device)
         kernel = build_kernels(interpret=device.type == "cpu").fused
         # (kind, warps) -> its launcher; by kind, by call size (index B - 1 for B = 1 to max_tokens):
         # its tiling's launcher and its grid, at most ``max_programs`` (all of them resident at once)
@@ -147,13 +155,15 @@ class TritonTransport:
             self.status_addr = ctypes.addressof(self._status_keep)
 
     def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e,
-               plan=None) -> None:
+               meta=None, plan=None) -> None:
         """``strides``: the kernel's eight stride arguments (``DcpAllToAll._operands``); ``tag``: the
         call's (``dcp.protocol.call_tag``), the same for every launch of one call; it picks the
-        collective (announcements, which move no data, take the combine's)."""
+        collective (announcements, which move no data, take the combine's). ``meta``: the batch
+        metadata's launch arguments (``no_metadata``'s form; default none)."""
         fused, grid = plan or self.plan[tag >> TAG_KIND_SHIFT if tag >= 0 else KIND_COMBINE][max(n_tokens, 1) - 1]
-        fused(variant, grid, (po, lse, y, y_lse, self.ctl[channel]), n_tokens, tag, self.rank, *strides,
-              int(write_lse), _LOG2E if base_e else 1.0)
+        sl, qsl, num_seqs, s_sl, s_qsl, tok0 = meta or self.no_meta
+        fused(variant, grid, (po, lse, y, y_lse, self.ctl[channel], sl, qsl), n_tokens, tag, self.rank, *strides,
+              int(write_lse), _LOG2E if base_e else 1.0, tok0, num_seqs, s_sl, s_qsl)
 
     def tiling(self, n_tokens: int, kind: int = KIND_COMBINE) -> tuple:
         options = self.plan[kind][n_tokens - 1][0].options
@@ -166,7 +176,7 @@ class TritonTransport:
             for k, w in self.tilings:
                 if k == kind and (tilings is None or w in tilings):
                     self.launch(variant, strides, po, lse, y, y_lse, 0, TAG_LOAD, 0, False, True,
-                                (self.fused[k, w], 1))
+                                plan=(self.fused[k, w], 1))
 
     def trace_records(self, channel: int) -> torch.Tensor:
         """The traced calls' records, by epoch: int64 [calls, programs, TRACE_WORDS]."""
@@ -217,6 +227,7 @@ class NcclTransport:
     def __init__(self, group: dist.ProcessGroup, layouts: dict, device: torch.device, channels: int):
         self.group, self.layout, self.device = group, layouts[KIND_COMBINE], device
         self.gather_layout = gl = layouts[KIND_GATHER]
+        self.no_meta = no_metadata(device)
         layout = self.layout
         kernels = build_kernels(interpret=device.type == "cpu")
         # One tiling: these kernels never wait, so size matters less.
@@ -238,14 +249,16 @@ class NcclTransport:
         except Exception as exc:
             raise DcpPeerLostError(f"NCCL path setup: the group's collectives failed ({type(exc).__name__}: {exc})")
 
-    def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e) -> None:
+    def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e,
+               meta=None) -> None:
         """``tag`` is not exchanged: this path pairs calls by the group's collective order."""
         if tag >= 0 and tag >> TAG_KIND_SHIFT == KIND_GATHER:
             self._gather(po, y, n_tokens, channel)
             return
         grid, used = self.plan[n_tokens]
         send, recv = self.send[channel][:used], self.recv[channel][:used]
-        self.pack(variant, grid, (po, lse, send), n_tokens, *strides[:4])
+        sl, qsl, num_seqs, s_sl, s_qsl, tok0 = meta or self.no_meta
+        self.pack(variant, grid, (po, lse, send, sl, qsl), n_tokens, *strides[:4], tok0, num_seqs, s_sl, s_qsl)
         if n_tokens:
             dist.all_to_all_single(recv, send, group=self.group)
         self.combine(variant, grid, (recv, y, y_lse), n_tokens, *strides[4:], int(write_lse),

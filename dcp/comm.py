@@ -21,7 +21,8 @@ from dcp.rendezvous import agree, all_gather, barrier
 log = logging.getLogger("dcp")
 
 LSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OUT_DTYPES = (torch.float16, torch.bfloat16)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+META_DTYPES = (torch.int32, torch.int64)
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 BACKENDS = ("auto", "triton", "nccl")
 MAX_HEAD_DIM = 1024
@@ -155,7 +156,7 @@ class DcpAllToAll:
         # Every rank must tile a call alike: small calls' tiles are sized by the smallest grid.
         programs = min(all_gather(group, self.max_programs, "DcpAllToAll construction"))
         self.layout = ChannelLayout(self.world, self.heads_per_rank, self.head_dim, self.max_tokens, self.num_warps,
-                                    programs)
+                                    programs, value_words=dtype.itemsize // 2)
         # The gather moves query rows as raw 16-bit words: a copy, bit for bit, whatever the dtype.
         self._query_words = self.query_dim * self.query_dtype.itemsize // 2
         self.gather_layout = ChannelLayout(self.world, self.heads_per_rank, self._query_words, self.max_tokens,
@@ -241,7 +242,7 @@ class DcpAllToAll:
         if self.max_tokens <= 0:
             return f"max_tokens must be a positive integer; got {self.max_tokens}"
         if self.dtype not in OUT_DTYPES:
-            return f"dtype must be torch.float16 or torch.bfloat16; got {self.dtype}"
+            return f"dtype must be torch.float16, torch.bfloat16 or torch.float32; got {self.dtype}"
         if self.query_dtype not in QUERY_DTYPES:
             return f"query_dtype must be one of {', '.join(map(str, QUERY_DTYPES))}; got {self.query_dtype}"
         q, fp8 = self.query_dim, self.query_dtype.itemsize == 1
@@ -440,12 +441,18 @@ class DcpAllToAll:
     def lse_reduce(self, partial_out: torch.Tensor, partial_lse: torch.Tensor,
                    return_lse: bool = False, is_lse_base_on_e: bool = True,
                    out: Optional[torch.Tensor] = None, *, out_lse: Optional[torch.Tensor] = None,
+                   seq_lens: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None,
                    channel: int = 0, check: Optional[bool] = None):
         """Combine this rank's head chunk over all ranks: ``[B, H, D]`` -> ``[B, H/N, D]``.
 
         Returns ``out`` (allocated unless given) and, with ``return_lse``, the combined LSE
         ``[B, H/N]`` fp32 in the base of the input LSE (``out_lse`` if given). ``check`` (default:
         the constructor's) synchronizes and raises a recorded timeout or mismatch.
+
+        ``seq_lens`` [S] (this rank's KV length per sequence) and ``query_start_loc`` [S + 1]
+        (cumulative query tokens), int32 or int64 on the device, as vLLM passes them: this rank adds
+        nothing to tokens past ``query_start_loc[S]`` (graph padding) or of sequences whose local
+        length is 0. Read on the device inside the launch: no synchronization, capturable.
 
         Collective, whatever happens: a call rejected here (bad arguments) still announces itself
         to the peers, whose call then fails naming this rank; a call with B = 0 takes part too.
@@ -454,6 +461,8 @@ class DcpAllToAll:
         try:
             try:
                 B = self._validate(partial_out, partial_lse, out, out_lse)
+                meta = None if seq_lens is None and query_start_loc is None else self._metadata(seq_lens,
+                                                                                               query_start_loc)
                 y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim),
                                                             dtype=self.dtype, device=self.device)
                 y_lse = None  # an out_lse without return_lse is not written
@@ -469,7 +478,8 @@ class DcpAllToAll:
             except BaseException:
                 self._announce(channel, TAG_ABORT)
                 raise
-            self._launches(KIND_COMBINE, operands, partial_out, partial_lse, y, y_lse, B, channel, is_lse_base_on_e)
+            self._launches(KIND_COMBINE, operands, partial_out, partial_lse, y, y_lse, B, channel, is_lse_base_on_e,
+                           meta)
         finally:
             busy.release()
         self._checked(channel, check)
@@ -555,22 +565,23 @@ class DcpAllToAll:
             self._host_poison.setdefault(channel, f"a call could not announce itself to the peers ({exc})")
 
     def _launches(self, kind: int, operands: tuple, po, lse, y, y_lse, B: int, channel: int,
-                  base_e: bool) -> None:
+                  base_e: bool, meta: Optional[tuple] = None) -> None:
         """The call's launches: one up to max_tokens, else one per chunk of max_tokens, all with the
         call's tag. A failure between them leaves the ranks out of step: the channel is poisoned.
-        (The gather's ``lse`` is the scratch word: it is not sliced.)"""
+        (The gather's ``lse`` is the scratch word: it is not sliced.) ``meta``: ``_metadata``'s."""
         key, strides = operands
         write_lse, lse_arg = (False, self._lse_scratch) if y_lse is None else (True, y_lse)
         tag = call_tag(kind, B, not base_e)
         try:
             if B <= self.max_tokens:
-                self._transport.launch(key, strides, po, lse, y, lse_arg, B, tag, channel, write_lse, base_e)
+                self._transport.launch(key, strides, po, lse, y, lse_arg, B, tag, channel, write_lse, base_e,
+                                       meta and meta + (0,))
                 return
             for b0 in range(0, B, self.max_tokens):
                 b1 = min(B, b0 + self.max_tokens)
                 self._transport.launch(key, strides, po[b0:b1], lse if kind == KIND_GATHER else lse[b0:b1],
                                        y[b0:b1], y_lse[b0:b1] if write_lse else lse_arg, b1 - b0, tag, channel,
-                                       write_lse, base_e)
+                                       write_lse, base_e, meta and meta + (b0,))
         except BaseException as exc:
             self._host_poison.setdefault(channel, f"a call failed between its launches ({type(exc).__name__})")
             raise
@@ -621,6 +632,30 @@ class DcpAllToAll:
         if B > TAG_MAX_TOKENS:
             raise ValueError(f"partial_out: expected at most {TAG_MAX_TOKENS} tokens per call; got {B}")
         return B
+
+    def _metadata(self, seq_lens, query_start_loc) -> tuple:
+        """vLLM's batch metadata as launch arguments (int32 views, element strides), or raise as vLLM
+        does for an inconsistent pair (and naming what else does not fit)."""
+        if seq_lens is None or query_start_loc is None:
+            raise ValueError("seq_lens and query_start_loc must be provided together")
+        for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if seq_lens.dim() != 1 or query_start_loc.dim() != 1 or query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+            raise ValueError("query_start_loc must contain one boundary per sequence")
+        words = []
+        for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+            if t.dtype not in META_DTYPES or t.device != self.device:
+                raise TypeError(f"{name}: expected torch.int32 or torch.int64 on {self.device}, got {t.dtype} "
+                                f"on {t.device}")
+            if t.dtype == torch.int32:
+                words.append((t, t.stride(0)))
+            elif t.stride(0) == 1 or t.shape[0] == 1:  # the low 32-bit word of each (little-endian) value
+                words.append((t.view(torch.int32), 2))
+            else:
+                raise ValueError(f"{name}: an int64 tensor must be contiguous; got stride {t.stride(0)}")
+        (sl, s_sl), (qsl, s_qsl) = words
+        return (sl, qsl, seq_lens.shape[0], s_sl, s_qsl)
 
     def _validate_query(self, q, out) -> int:
         """The gather's B, or raise naming the argument that does not fit."""

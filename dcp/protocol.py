@@ -35,8 +35,9 @@ def _align(x: int, a: int = ALIGN) -> int:
 class ChannelLayout:
     """The rows of one collective on a channel: their width and tiling (identical on every rank).
 
-    A row is ``head_dim`` 16-bit values (a combine's D values, or a query row as raw 16-bit words),
-    then, for the combine, the fp32 LSE as two 16-bit lanes, padded to 16 bytes. Its sizes are
+    A row is ``head_dim`` values of ``value_words`` 16-bit words each (a combine's D values: fp16 and
+    bf16 one word, fp32 two; a query row as raw 16-bit words), then, for the combine, the fp32 LSE
+    as two 16-bit lanes, padded to 16 bytes. Its sizes are
     computed once: the call path reads them on every launch. A call's tiling (warps per program,
     rows per tile) depends on its size, unless ``num_warps`` fixes it, and on ``programs``, the
     grid that every rank of the group keeps resident (the smallest over the ranks, so that every
@@ -51,14 +52,19 @@ class ChannelLayout:
     num_warps: Optional[int] = None
     programs: int = 1
     lse: bool = True
+    value_words: int = 1
 
     @cached_property
     def padded_dim(self) -> int:  # power-of-two block width over the row's values
         return _next_pow2(self.head_dim)
 
     @cached_property
-    def row_elems(self) -> int:  # the values (+ fp32 LSE as two 16-bit lanes), padded to 16 bytes
-        return _align(self.head_dim + (2 if self.lse else 0), 8)
+    def row_elems(self) -> int:  # 16-bit words: the values (+ fp32 LSE as two lanes), padded to 16 bytes
+        return _align(self.lse_offset + (2 if self.lse else 0), 8)
+
+    @cached_property
+    def lse_offset(self) -> int:  # the 16-bit word where a row's LSE starts
+        return self.head_dim * self.value_words
 
     @cached_property
     def rows_max(self) -> int:
@@ -69,8 +75,9 @@ class ChannelLayout:
         return _next_pow2(self.world)
 
     def rows_per_tile(self, warps: int) -> int:
-        """Rows of a tile under ``warps`` per program: [peers, rows, D] blocks of 2048 values a warp."""
-        return max(1, min(64, 2048 * warps // (self.padded_peers * self.padded_dim), _next_pow2(self.rows_max)))
+        """Rows of a tile under ``warps`` per program: [peers, rows, D] blocks of 4 KiB a warp."""
+        return max(1, min(64, 2048 * warps // (self.padded_peers * self.padded_dim * self.value_words),
+                          _next_pow2(self.rows_max)))
 
     def warps_for(self, n_tokens: int) -> int:
         if self.num_warps:
@@ -109,7 +116,8 @@ class ChannelLayout:
     def tile_constexprs(self, warps: int) -> dict:
         """The geometry of one tiling: all that the NCCL path's kernels take."""
         return dict(N=self.world, NP=self.padded_peers, HN=self.heads_per_rank, D=self.head_dim,
-                    DP=self.padded_dim, ROW=self.row_elems, BLOCK_R=self.rows_per_tile(warps))
+                    DP=self.padded_dim, ROW=self.row_elems, LSE_OFF=self.lse_offset,
+                    BLOCK_R=self.rows_per_tile(warps))
 
 
 @dataclass(frozen=True)

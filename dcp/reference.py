@@ -64,3 +64,15 @@ def make_queries(seed: int, world: int, B: int, heads_per_rank: int, query_dim: 
     nbytes = heads_per_rank * query_dim * dtype.itemsize
     return [torch.randint(0, 256, (B, nbytes), dtype=torch.uint8, generator=g).view(dtype)
             .view(B, heads_per_rank, query_dim) for _ in range(world)]
+
+
+def mask_by_metadata(lse: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """A rank's ``[B, H]`` LSEs as vLLM's batch metadata leaves them (float64): -inf on tokens past
+    ``query_start_loc[-1]`` and on tokens of a sequence whose local ``seq_lens`` entry is 0."""
+    out = lse.double().clone()
+    bounds, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b in range(out.shape[0]):
+        seq = min(sum(1 for q in bounds[1:] if q <= b), len(lens) - 1)
+        if b >= bounds[-1] or seq < 0 or lens[seq] == 0:
+            out[b] = NEG_INF
+    return out

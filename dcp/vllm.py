@@ -1,78 +1,189 @@
-"""A drop-in for vLLM's ``dcp_a2a_lse_reduce``, backed by one cached ``DcpAllToAll`` per geometry.
+"""vLLM's two DCP collectives on this package: drop-ins for its combine and its query gather.
 
-Wiring (see the README): replace vLLM's function of that name with this one, and call ``warmup``
-for each attention geometry before CUDA graph capture. vLLM is not a dependency.
+``dcp_a2a_lse_reduce`` takes every form vLLM's call sites use (``dcp.py`` and the older
+``dcp_alltoall.py`` lineage); ``query_gather`` is the ``all_gather(q, dim=1)`` of a layer. Both run
+on one cached ``DcpAllToAll`` per geometry, built collectively by ``communicator`` (the plugin,
+``dcp.vllm_plugin``, builds it when vLLM builds its DCP managers, before graph capture). vLLM is
+not a dependency: a group is a ``torch.distributed`` group or any object with ``world_size`` and
+``device_group`` (vLLM's ``GroupCoordinator``).
 """
 
+import logging
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from dcp.comm import DcpAllToAll
+from dcp.comm import DcpAllToAll, MAX_HEAD_DIM, OUT_DTYPES, QUERY_DTYPES
 from dcp.errors import DcpError
+
+log = logging.getLogger("dcp")
 
 DEFAULT_MAX_TOKENS = 256
 _comms: dict = {}
+_ignored: set = set()
 
 
 def max_tokens_from_env() -> int:
     """``DCP_A2A_MAX_TOKENS`` (default 256): tokens the persistent buffers hold per launch."""
-    return int(os.environ.get("DCP_A2A_MAX_TOKENS", DEFAULT_MAX_TOKENS))
+    value = os.environ.get("DCP_A2A_MAX_TOKENS", "")
+    try:
+        tokens = int(value) if value else DEFAULT_MAX_TOKENS
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise DcpError(f"DCP_A2A_MAX_TOKENS must be a positive integer; got {value!r}")
+    return tokens
 
 
-def _process_group(cp_group: Any) -> dist.ProcessGroup:
-    """A ProcessGroup, or a vLLM-style GroupCoordinator (``device_group``, ``world_size``, ``rank_in_group``)."""
+def group_parts(cp_group: Any) -> tuple:
+    """(process group or None, world size) of a ProcessGroup or a coordinator-like object."""
     if isinstance(cp_group, dist.ProcessGroup):
-        return cp_group
+        return cp_group, dist.get_world_size(cp_group)
+    world = getattr(cp_group, "world_size", None)
     group = getattr(cp_group, "device_group", None)
+    if isinstance(world, int) and world == 1:
+        return group, 1
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError("cp_group: expected a torch.distributed ProcessGroup or a group coordinator with "
-                        f"a device_group, got {type(cp_group).__name__}")
-    if getattr(cp_group, "world_size", dist.get_world_size(group)) != dist.get_world_size(group):
-        raise ValueError("cp_group: world_size disagrees with its device_group's size")
-    return group
+        raise TypeError("cp_group: expected a torch.distributed ProcessGroup or a group coordinator with a "
+                        f"device_group, got {type(cp_group).__name__}")
+    size = dist.get_world_size(group)
+    if world is not None and world != size:
+        raise ValueError(f"cp_group: world_size {world} disagrees with its device_group's size {size}")
+    return group, size
 
 
-def _key(group, num_heads, head_dim, dtype, device) -> tuple:
-    return (id(group), num_heads, head_dim, dtype, torch.device(device))
+def servable(world: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
+    """Why a combine of this geometry is not served here (None: it is), the same on every rank."""
+    if dtype not in OUT_DTYPES:
+        return f"output dtype {dtype}"
+    if num_heads % world:
+        return f"{num_heads} heads over {world} ranks"
+    if head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM:
+        return f"head dim {head_dim}"
+    return None
 
 
-def warmup(cp_group: Any, num_heads: int, head_dim: int, dtype: torch.dtype,
-           device: Optional[torch.device] = None, max_tokens: Optional[int] = None) -> DcpAllToAll:
-    """Collective: build (or return) the communicator of this geometry, kernels loaded, before capture."""
-    group = _process_group(cp_group)
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    key = _key(group, num_heads, head_dim, dtype, device)
+def query_servable(query_dim: int, query_dtype: torch.dtype) -> Optional[str]:
+    """Why a query gather of this geometry is not served here (None: it is)."""
+    if query_dtype not in QUERY_DTYPES:
+        return f"query dtype {query_dtype}"
+    if query_dim % (16 if query_dtype.itemsize == 1 else 8) or not 0 < query_dim <= MAX_HEAD_DIM:
+        return f"query dim {query_dim} of {query_dtype}"
+    return None
+
+
+def communicator(cp_group: Any, num_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: Optional[Union[torch.device, str]] = None, *, query_dim: Optional[int] = None,
+                 query_dtype: Optional[torch.dtype] = None, max_tokens: Optional[int] = None) -> DcpAllToAll:
+    """Collective: the communicator of this geometry (``num_heads`` in all), built once, kernels
+    loaded. Call it on every rank before graph capture; later calls return the cached one."""
+    group, _ = group_parts(cp_group)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (id(group), num_heads, head_dim, dtype, query_dim or head_dim, query_dtype or dtype, device)
     if key not in _comms:
         comm = DcpAllToAll(group, max_tokens=max_tokens or max_tokens_from_env(), num_heads=num_heads,
-                           head_dim=head_dim, dtype=dtype, device=device)
-        _comms[key] = (group, comm)
+                           head_dim=head_dim, dtype=dtype, device=device, query_dim=query_dim,
+                           query_dtype=query_dtype)
+        _comms[key] = (group, comm)  # the group is kept alive with its id in the key
     return _comms[key][1]
 
 
-def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
-                       ctx: Any = None, return_lse: bool = False, is_lse_base_on_e: bool = True):
-    """vLLM's signature: ``[B, H, D]`` partial outputs and ``[B, H]`` LSEs of every rank in, this
-    rank's ``[B, H/N, D]`` combined output out (and ``[B, H/N]`` LSE with ``return_lse``).
+warmup = communicator  # the name earlier releases documented
 
-    ``ctx`` is accepted for compatibility and unused: the communicator keeps its own state.
+
+def _cached(group, num_heads, head_dim, dtype, device, query: Optional[tuple] = None) -> DcpAllToAll:
+    """The communicator of a call: one that serves its geometry (any query geometry for a combine)."""
+    for (gid, h, d, dt, qd, qdt, dev), (_, comm) in _comms.items():
+        if (gid == id(group) and h == num_heads and dev == device
+                and ((d, dt) == (head_dim, dtype) if query is None else (qd, qdt) == query)):
+            return comm
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise DcpError("dcp.vllm: no communicator for this geometry yet, and the stream is capturing a CUDA "
+                       "graph: call dcp.vllm.communicator(...) on every rank before capture")
+    if query is None:
+        return communicator(group, num_heads, head_dim, dtype, device)
+    # A gather alone: the smallest combine rows beside it (the buffers fit the wider rows).
+    return communicator(group, num_heads, 8, torch.bfloat16, device, query_dim=query[0], query_dtype=query[1])
+
+
+def _note_ignored(names) -> None:
+    new = sorted(set(names) - _ignored)
+    if new:
+        _ignored.update(new)
+        log.info("dcp.vllm.dcp_a2a_lse_reduce: ignoring keyword(s) %s (not needed by this backend)", ", ".join(new))
+
+
+def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any = None,
+                       ctx: Any = None, return_lse: bool = False, is_lse_base_on_e: bool = True,
+                       seq_lens: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None,
+                       *, kvp_group: Any = None, head_major: bool = False, **unknown):
+    """vLLM's combine: ``[B, H, D]`` partial outputs and ``[B, H]`` LSEs of every rank in, this
+    rank's ``[B, H/N, D]`` out (and its fp32 ``[B, H/N]`` LSE with ``return_lse``).
+
+    ``seq_lens`` / ``query_start_loc`` mask rows as vLLM does (padding, empty local shards), on
+    the device. A group of one returns the inputs, as vLLM does. ``head_major``: the output's
+    storage is ``[H/N, B, D]`` (returned as its ``[B, H/N, D]`` view). ``ctx`` and unknown keywords
+    (other lineages' options) are ignored, the latter logged once.
     """
-    group = _process_group(cp_group)
+    if unknown:
+        _note_ignored(unknown)
+    if cp_group is None:
+        cp_group = kvp_group
+    if cp_group is None:
+        raise TypeError("dcp_a2a_lse_reduce: missing the group (cp_group or kvp_group)")
+    group, world = group_parts(cp_group)
+    if world == 1:
+        return (cp_attn_out, cp_attn_lse) if return_lse else cp_attn_out
     if not isinstance(cp_attn_out, torch.Tensor) or cp_attn_out.dim() != 3:
         raise ValueError("cp_attn_out: expected a [B, H, D] tensor")
-    _, H, D = cp_attn_out.shape
-    key = _key(group, H, D, cp_attn_out.dtype, cp_attn_out.device)
-    if key not in _comms:
-        if cp_attn_out.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise DcpError("dcp_a2a_lse_reduce: no communicator for this geometry yet, and the stream is "
-                           "capturing a CUDA graph; call dcp.vllm.warmup(cp_group, num_heads, head_dim, "
-                           "dtype) on every rank before capture")
-        warmup(group, H, D, cp_attn_out.dtype, cp_attn_out.device)
-    return _comms[key][1].lse_reduce(cp_attn_out, cp_attn_lse, return_lse=return_lse,
-                                     is_lse_base_on_e=is_lse_base_on_e)
+    B, H, D = cp_attn_out.shape
+    if H % world:
+        raise ValueError(f"H={H} must be divisible by DCP world size {world}.")
+    comm = _cached(group, H, D, cp_attn_out.dtype, cp_attn_out.device)
+    out = None
+    if head_major:
+        out = torch.empty((H // world, B, D), dtype=cp_attn_out.dtype, device=cp_attn_out.device).transpose(0, 1)
+    return comm.lse_reduce(cp_attn_out, cp_attn_lse, return_lse=return_lse, is_lse_base_on_e=is_lse_base_on_e,
+                           out=out, seq_lens=seq_lens, query_start_loc=query_start_loc)
+
+
+def query_gather(q: torch.Tensor, cp_group: Any, padded_num_heads: Optional[int] = None) -> torch.Tensor:
+    """vLLM's query all-gather along heads: ``[B, H/N, Dq]`` -> ``[B, H, Dq]``. With
+    ``padded_num_heads``, the result is the ``[:, :H]`` view of ``[B, padded_num_heads, Dq]``
+    storage, as fixed-head decode kernels need. A group of one returns ``q``."""
+    group, world = group_parts(cp_group)
+    if world == 1:
+        return q
+    B, hn, dq = q.shape
+    comm = _cached(group, hn * world, None, None, q.device, (dq, q.dtype))
+    out = None
+    if padded_num_heads is not None:
+        if padded_num_heads < hn * world:
+            raise ValueError(f"padded_num_heads {padded_num_heads} < {hn * world} heads")
+        out = torch.empty((B, padded_num_heads, dq), dtype=q.dtype, device=q.device)[:, :hn * world]
+    return comm.all_gather_heads(q, out)
+
+
+def fallback_combine(original: Callable) -> Callable:
+    """``dcp_a2a_lse_reduce`` where this package serves the call's geometry, else ``original``
+    (vLLM's own, called exactly as it was)."""
+    def combine(cp_attn_out, cp_attn_lse, *args, **kwargs):
+        group = args[0] if args else kwargs.get("cp_group", kwargs.get("kvp_group"))
+        world = group_parts(group)[1] if group is not None else 0
+        if (world == 1 or world and isinstance(cp_attn_out, torch.Tensor) and cp_attn_out.dim() == 3
+                and servable(world, cp_attn_out.shape[1], cp_attn_out.shape[2], cp_attn_out.dtype) is None):
+            return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
+        return original(cp_attn_out, cp_attn_lse, *args, **kwargs)
+
+    combine.__wrapped__ = original
+    combine.__name__ = combine.__qualname__ = "dcp_a2a_lse_reduce"
+    return combine
 
 
 def close_all() -> None:

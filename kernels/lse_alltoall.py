@@ -13,7 +13,8 @@ Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp
     state  [epoch * EPOCH_STRIDE uint32, poisoned int32]          local only
     flags  [2 slots][N sources][tiles] int64: call tag << 32 | epoch
     recv   [2 slots of SLOT int16][N sources][B_max * H/N rows][ROW int16]
-           combine row: D values, fp32 LSE, padding; gather row: the query row's 16-bit words
+           combine row: D values (fp32: two words each), fp32 LSE, padding;
+           gather row: the query row's 16-bit words
 
 NCCL path (``pack_kernel``, ``all_to_all_single``, ``combine_kernel``): the same packed rows in a
 ``[N, B, H/N, ROW]`` send buffer, and the same combine over the received one.
@@ -53,7 +54,8 @@ MAX_PEERS = 8
 
 # A flag names its call: the epoch, and above it the call's tag. A call's tag is its kind, the base
 # of its LSEs (a combine's ranks must agree on it) and its total token count B (not the launch's: a
-# call above max_tokens runs in several launches), so that ranks pair only launches of one call. Negative tags announce a call that moves no data:
+# call above max_tokens runs in several launches), so that ranks pair only launches of one call.
+# Negative tags announce a call that moves no data:
 # ABORT, the rank rejected its call before launch; POISONED, its channel failed earlier. LOAD is
 # the constructor's launch that only loads a variant and touches nothing.
 TAG_KIND_SHIFT = 28
@@ -92,6 +94,7 @@ _MISMATCH_AFTER_NS = tl.constexpr(20_000)
 _TAG_POISONED = tl.constexpr(TAG_POISONED)
 _TAG_NONE = tl.constexpr(TAG_NONE)
 _TAG_LOAD = tl.constexpr(TAG_LOAD)
+_SEQ_BLOCK = tl.constexpr(64)  # sequences of the batch metadata looked at per load
 
 
 # --- shared by both paths ------------------------------------------------------------------------
@@ -107,28 +110,58 @@ def _tile_rows(t, n_rows, HN: tl.constexpr, BLOCK_R: tl.constexpr):
     return rows, rows < n_rows, (rows // HN).to(tl.int64), rows % HN
 
 
+def _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, BLOCK_R: tl.constexpr):
+    """The rows vLLM's batch metadata gives no weight: tokens past ``query_start_loc[num_seqs]``
+    (graph padding) and tokens of a sequence whose local ``seq_lens`` entry is 0. Token b belongs to
+    sequence ``#{i in 1..num_seqs : query_start_loc[i] <= b}``, clamped to the last one."""
+    b = tok + tok0
+    seq = tl.full([BLOCK_R], 0, tl.int32)
+    c = 0
+    while c < num_seqs:  # sequences in blocks, each counted with one load and one reduction
+        i = c + 1 + tl.arange(0, _SEQ_BLOCK)
+        v = tl.load(qsl + i.to(tl.int64) * s_qsl, mask=i <= num_seqs, other=0x7FFFFFFF)
+        # tl.sum is itself a jit function, which the interpreter cannot call from these helpers;
+        # tl.reduce with Triton's own sum combine runs compiled and interpreted alike.
+        seq += tl.reduce((v[None, :] <= b[:, None]).to(tl.int32), 1, tl.standard._sum_combine)
+        c += _SEQ_BLOCK
+    seq = tl.minimum(seq, num_seqs - 1)
+    local = tl.load(seq_lens + seq.to(tl.int64) * s_sl, mask=rmask & (seq >= 0), other=0)
+    return (b >= tl.load(qsl + num_seqs.to(tl.int64) * s_qsl)) | (local == 0)
+
+
 def _load_tile(po, lse, t, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
-               N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr):
+               tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, N: tl.constexpr, HN: tl.constexpr,
+               BLOCK_R: tl.constexpr):
     """Tile t of the input for every peer: values [NP, BLOCK_R, DP] and fp32 LSEs [NP, BLOCK_R]
-    (peer d's head chunk; masked off past the last row and for padding peers)."""
+    (peer d's head chunk; masked off past the last row and for padding peers). With batch metadata
+    (``num_seqs`` >= 0; ``tok0`` the launch's first token in the call) the LSEs of empty rows are
+    -inf: this rank adds nothing to them."""
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
     head = peer[:, None] * HN + hh[None, :]
     vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :],
                    mask=m2[:, :, None] & cmask[None, None, :])
-    return vals, tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
+    lv = tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
+    if num_seqs >= 0:
+        empty = _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, BLOCK_R)
+        lv = tl.where(empty[None, :], float("-inf"), lv)
+    return vals, lv
 
 
 def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N: tl.constexpr, BLOCK_R: tl.constexpr,
-                ROW: tl.constexpr, D: tl.constexpr):
-    """Store a loaded tile as packed rows (D values, then the fp32 LSE) at its rows of each peer's
-    destination ``dst16[peer]``."""
+                ROW: tl.constexpr, LSE_OFF: tl.constexpr):
+    """Store a loaded tile as packed rows (the values, then the fp32 LSE at 16-bit word LSE_OFF) at
+    its rows of each peer's destination ``dst16[peer]``."""
     rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
     m2 = (peer < N)[:, None] & (rows < n_rows)[None, :]
     drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
-    tl.store(drow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True),
-             mask=m2[:, :, None] & cmask[None, None, :])
-    tl.store((drow + D).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
+    vmask = m2[:, :, None] & cmask[None, None, :]
+    if vals.dtype == tl.float32:  # two 16-bit words a value
+        tl.store(drow.to(tl.pointer_type(tl.float32), bitcast=True)[:, :, None] + c_off[None, None, :], vals,
+                 mask=vmask)
+    else:
+        tl.store(drow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True), mask=vmask)
+    tl.store((drow + LSE_OFF).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
 
 
 def _load_rows(q, t, n_rows, c_off, cmask, s_q_b, s_q_h, HN: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -163,9 +196,9 @@ def _copy_rows(src16, row0, src_stride, y, tok, hh, s_y_b, s_y_h, rmask, c_off, 
             tl.store(dst, tl.full(omask.shape, -1, tl.int16), mask=omask)
 
 
-def _load_lse(src32, row, rmask, ROW: tl.constexpr, D: tl.constexpr):
+def _load_lse(src32, row, rmask, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
     """The fp32 LSE of packed rows; NaN and +inf count as -inf (that rank saw no keys)."""
-    lv = tl.load(src32 + (row * ROW + D) // 2, mask=rmask, other=float("-inf"))
+    lv = tl.load(src32 + (row * ROW + LSE_OFF) // 2, mask=rmask, other=float("-inf"))
     return tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
 
 
@@ -181,7 +214,7 @@ def _round_to(acc, out_ty: tl.constexpr):
 
 def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
                   N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
-                  D: tl.constexpr):
+                  LSE_OFF: tl.constexpr):
     """LSE-weighted combine of the packed rows of N sources (source s at row0 + s * src_stride).
 
     Source by source in [BLOCK_R, DP] blocks, in the layout of the output: a reduction over a peer
@@ -196,30 +229,35 @@ def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask,
     src32 = src16.to(tl.pointer_type(tl.float32), bitcast=True)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in tl.static_range(N):
-        m = tl.maximum(m, _load_lse(src32, row0 + s * src_stride, rmask, ROW, D))
+        m = tl.maximum(m, _load_lse(src32, row0 + s * src_stride, rmask, ROW, LSE_OFF))
     m = tl.where(m == float("-inf"), 0.0, m)
     wsum = tl.full([BLOCK_R], 0.0, tl.float32)
     for s in tl.static_range(N):
-        wsum += tl.exp2((_load_lse(src32, row0 + s * src_stride, rmask, ROW, D) - m) * log2_scale)
+        wsum += tl.exp2((_load_lse(src32, row0 + s * src_stride, rmask, ROW, LSE_OFF) - m) * log2_scale)
     inv = tl.where(wsum > 0, 1.0 / wsum, 0.0)
     acc = tl.full([BLOCK_R, DP], 0.0, tl.float32)
     omask = rmask[:, None] & cmask[None, :]
     for s in tl.static_range(N):
         row = row0 + s * src_stride
-        w = tl.exp2((_load_lse(src32, row, rmask, ROW, D) - m) * log2_scale) * inv
-        ov = tl.load(src16 + row[:, None] * ROW + c_off[None, :], mask=omask, other=0)
-        acc += tl.where(w[:, None] > 0, w[:, None] * ov.to(out_ty, bitcast=True).to(tl.float32), 0.0)
+        w = tl.exp2((_load_lse(src32, row, rmask, ROW, LSE_OFF) - m) * log2_scale) * inv
+        if out_ty == tl.float32:  # two 16-bit words a value
+            ov = tl.load((src16 + row[:, None] * ROW).to(tl.pointer_type(tl.float32), bitcast=True)
+                         + c_off[None, :], mask=omask, other=0.0)
+        else:
+            ov = tl.load(src16 + row[:, None] * ROW + c_off[None, :], mask=omask, other=0).to(out_ty, bitcast=True)
+        acc += tl.where(w[:, None] > 0, w[:, None] * ov.to(tl.float32), 0.0)
     tl.store(y_ptrs, _round_to(acc, out_ty), mask=omask)
     if write_lse != 0:
         tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
 
 
 def _finish_combine(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok, write_lse, log2_scale,
-                    N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr, D: tl.constexpr):
+                    N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
+                    LSE_OFF: tl.constexpr):
     """The combine's finish; where the call failed, never leave stale rows: they read as NaN."""
     if ok:
         _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
-                      N, BLOCK_R, DP, ROW, D)
+                      N, BLOCK_R, DP, ROW, LSE_OFF)
     else:
         tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(y_ptrs.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
@@ -244,12 +282,12 @@ def _scale_strides(a, b, c, d, ALIGNED: tl.constexpr):
 # --- the fused kernel ----------------------------------------------------------------------------
 
 def lse_alltoall_kernel(
-    po, lse, y, y_lse, ctl,
+    po, lse, y, y_lse, ctl, seq_lens, qsl,
     n_tokens, call_tag, rank,
     s_po_b, s_po_h, s_lse_b, s_lse_h, s_y_b, s_y_h, s_yl_b, s_yl_h,
-    write_lse, log2_scale,
+    write_lse, log2_scale, tok0, num_seqs, s_sl, s_qsl,
     N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    ROW: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
+    ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
     FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, SLOT: tl.constexpr, GATHER: tl.constexpr,
     ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr, TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -260,7 +298,12 @@ def lse_alltoall_kernel(
     The combine (``GATHER`` false): ``po`` [B, H, D] partial outputs and ``lse`` [B, H] in, this
     rank's head chunk ``y`` [B, H/N, D] (and ``y_lse``) out. The query all-gather (``GATHER``):
     ``po`` is this rank's [B, H/N, D] rows and ``y`` the [B, H, D] result, both as 16-bit words
-    (D of them per row); ``lse`` and ``y_lse`` are unused."""
+    (D of them per row); ``lse`` and ``y_lse`` are unused.
+
+    ``num_seqs`` >= 0 (combine only): vLLM's batch metadata ``seq_lens`` [num_seqs] and
+    ``query_start_loc`` (``qsl``) [num_seqs + 1], int32 with element strides ``s_sl``, ``s_qsl``
+    (int64 tensors come as int32 views, stride 2); this launch's tokens start at token ``tok0`` of
+    the call. -1: no metadata (the pointers are unused)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     if call_tag != _TAG_LOAD:
@@ -309,12 +352,12 @@ def lse_alltoall_kernel(
                 vals = nvals
                 t += G
         else:
-            vals, lv = _load_tile(po, lse, t, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN,
-                                  BLOCK_R)
+            vals, lv = _load_tile(po, lse, t, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
+                                  tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, N, HN, BLOCK_R)
             while t * BLOCK_R < n_push:
                 nvals, nlv = _load_tile(po, lse, t + G, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b,
-                                        s_lse_h, N, HN, BLOCK_R)
-                _store_tile(dst16, t, vals, lv, n_push, peer, c_off, cmask, N, BLOCK_R, ROW, D)
+                                        s_lse_h, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, N, HN, BLOCK_R)
+                _store_tile(dst16, t, vals, lv, n_push, peer, c_off, cmask, N, BLOCK_R, ROW, LSE_OFF)
                 vals, lv = nvals, nlv
                 t += G
         tl.debug_barrier()
@@ -395,7 +438,7 @@ def lse_alltoall_kernel(
                 y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
                 yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
                 _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX, y_ptrs, yl_ptrs, rmask, c_off, cmask,
-                                code < 0, write_lse, log2_scale, N, BLOCK_R, DP, ROW, D)
+                                code < 0, write_lse, log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF)
             t += G
         t_combined = _stamp(t, TRACE)
         if code > 0:
@@ -436,23 +479,24 @@ def _record_failure(status, flags, t, e, tag, code, N: tl.constexpr, TILES_MAX: 
 
 # --- the NCCL reference path ---------------------------------------------------------------------
 
-def pack_kernel(po, lse, send, n_tokens, s_po_b, s_po_h, s_lse_b, s_lse_h,
-                N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                ROW: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
-    """Pack the chunk of every destination d into send[d, :B * HN] (rows of ROW int16)."""
+def pack_kernel(po, lse, send, seq_lens, qsl, n_tokens, s_po_b, s_po_h, s_lse_b, s_lse_h, tok0, num_seqs, s_sl,
+                s_qsl, N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pack the chunk of every destination d into send[d, :B * HN] (rows of ROW int16); the batch
+    metadata as in the fused kernel."""
     s_po_b, s_po_h, _, _ = _scale_strides(s_po_b, s_po_h, 0, 0, ALIGNED)
     n_rows = n_tokens * HN
     c_off = tl.arange(0, DP)
     peer = tl.arange(0, NP)
     dst16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16) + (peer * n_rows).to(tl.int64) * ROW
     vals, lv = _load_tile(po, lse, tl.program_id(0), n_rows, peer, c_off, c_off < D, s_po_b, s_po_h, s_lse_b,
-                          s_lse_h, N, HN, BLOCK_R)
-    _store_tile(dst16, tl.program_id(0), vals, lv, n_rows, peer, c_off, c_off < D, N, BLOCK_R, ROW, D)
+                          s_lse_h, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, N, HN, BLOCK_R)
+    _store_tile(dst16, tl.program_id(0), vals, lv, n_rows, peer, c_off, c_off < D, N, BLOCK_R, ROW, LSE_OFF)
 
 
 def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write_lse, log2_scale,
                    N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   ROW: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
+                   ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
     """Combine recv[s, :B * HN] over the N sources into this rank's head chunk."""
     s_y_b, s_y_h, _, _ = _scale_strides(s_y_b, s_y_h, 0, 0, ALIGNED)
     n_rows = n_tokens * HN
@@ -461,7 +505,7 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
     _combine_rows(tl.multiple_of(recv.to(tl.pointer_type(tl.int16), bitcast=True), 16), rows.to(tl.int64), n_rows,
                   y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :],
                   y_lse + tok * s_yl_b + hh * s_yl_h, rmask, c_off, c_off < D, write_lse, log2_scale,
-                  N, BLOCK_R, DP, ROW, D)
+                  N, BLOCK_R, DP, ROW, LSE_OFF)
 
 
 def clock_kernel(out, n):
@@ -530,10 +574,10 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_tile_rows, _load_tile, _store_tile, _load_rows, _store_rows, _copy_rows, _load_lse, _round_to,
-                   _combine_rows, _finish_combine, _stamp, _scale_strides, _record_failure)
+_SHARED_HELPERS = (_tile_rows, _empty_rows, _load_tile, _store_tile, _load_rows, _store_rows, _copy_rows,
+                   _load_lse, _round_to, _combine_rows, _finish_combine, _stamp, _scale_strides, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
-             "s_yl_b", "s_yl_h", "write_lse"]
+             "s_yl_b", "s_yl_h", "write_lse", "tok0", "num_seqs", "s_sl", "s_qsl"]
 _built: dict = {}
 
 
@@ -567,9 +611,9 @@ def build_kernels(interpret: bool) -> types.SimpleNamespace:
         scope[fn.__name__] = helper if interpret else triton.jit(helper)
     kernels = types.SimpleNamespace(
         fused=wrap(rebind(lse_alltoall_kernel, "lse_alltoall_kernel"), do_not_specialize=_INT_ARGS,
-                   do_not_specialize_on_alignment=["lse", "y_lse", "ctl"]),
+                   do_not_specialize_on_alignment=["lse", "y_lse", "ctl", "seq_lens", "qsl"]),
         pack=wrap(rebind(pack_kernel, "pack_kernel"), do_not_specialize=_INT_ARGS,
-                  do_not_specialize_on_alignment=["lse"]),
+                  do_not_specialize_on_alignment=["lse", "seq_lens", "qsl"]),
         combine=wrap(rebind(combine_kernel, "combine_kernel"), do_not_specialize=_INT_ARGS,
                      do_not_specialize_on_alignment=["y_lse"]),
         clock=wrap(rebind(clock_kernel, "clock_kernel"), do_not_specialize=["n"]),

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll, DcpError
-from dcp.reference import chunk_reference, make_inputs, max_rel_error
+from dcp.reference import chunk_reference, make_inputs, mask_by_metadata, max_rel_error
 from dcp.kernels import KIND_GATHER
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 
 def make_comm(state, key: str, device: str = "cpu", **kwargs) -> str:
@@ -97,6 +97,64 @@ def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", bas
     if return_output:
         return y.cpu(), (y_lse.cpu() if return_lse else None)
     return err
+
+
+def metadata_case(state, key: str, seed: int, B: int, query_start_loc: list, layout: str = "int32",
+                  use_out: bool = False) -> float:
+    """One call with vLLM's batch metadata (this rank's seq_lens, some 0) on fresh inputs, against the
+    float64 reference of the masked LSEs. ``layout``: int32, int64, or int32 with a stride of 3."""
+    comm: DcpAllToAll = state[key]
+    rank, n, dev, hn = comm.rank, comm.world, comm.device, comm.heads_per_rank
+    outs, lses = make_inputs(seed, n, B, comm.num_heads, comm.head_dim, comm.dtype, special=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    seqs = len(query_start_loc) - 1
+    lens = [torch.randint(0, 3, (seqs,), generator=g, dtype=torch.int32) for _ in range(n)]
+    qsl = torch.tensor(query_start_loc, dtype=torch.int32)
+    masked = [mask_by_metadata(l, s, qsl) for l, s in zip(lses, lens)]
+
+    def as_layout(t):
+        if layout == "int64":
+            return t.long().to(dev)
+        if layout == "strided":
+            wide = torch.full((max(1, t.numel()), 3), -7, dtype=torch.int32)
+            wide[:t.numel(), 0] = t
+            return wide[:t.numel(), 0].to(dev) if dev.type == "cpu" else wide.to(dev)[:t.numel(), 0]
+        return t.to(dev)
+
+    sl, q = as_layout(lens[rank]), as_layout(qsl)
+    out = torch.full((B, hn, comm.head_dim), float("nan"), dtype=comm.dtype, device=dev) if use_out else None
+    y, yl = comm.lse_reduce(outs[rank].to(dev), lses[rank].to(dev), return_lse=True, out=out, seq_lens=sl,
+                            query_start_loc=q, check=True)
+    ref, ref_lse = chunk_reference(outs, masked, rank, hn)
+    assert torch.equal(torch.isneginf(yl.cpu()), torch.isneginf(ref_lse)), "-inf LSE positions differ"
+    err = max_rel_error(y, ref) if B else 0.0
+    assert err <= TOL[comm.dtype], f"max relative error {err:.3g} (rank {rank}, B={B}, {layout})"
+    return err
+
+
+def metadata_errors(state, key: str) -> list:
+    """Inconsistent batch metadata, the same on every rank: vLLM's errors (and ours for a dtype or
+    layout it cannot read); every rank rejects alike, so the next call is still in step."""
+    comm: DcpAllToAll = state[key]
+    po = torch.randn(3, comm.num_heads, comm.head_dim).to(comm.dtype)
+    pl = torch.randn(3, comm.num_heads)
+    good_sl, good_q = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    bad = [dict(seq_lens=good_sl), dict(query_start_loc=good_q),
+           dict(seq_lens=good_sl, query_start_loc=good_q[:2]),
+           dict(seq_lens=good_sl[None], query_start_loc=good_q),
+           dict(seq_lens=good_sl.float(), query_start_loc=good_q),
+           dict(seq_lens=good_sl, query_start_loc=torch.arange(6)[::2]),
+           dict(seq_lens=[1, 2], query_start_loc=good_q)]
+    messages = []
+    for kwargs in bad:
+        try:
+            comm.lse_reduce(po, pl, check=True, **kwargs)
+            messages.append("accepted")
+        except (TypeError, ValueError) as exc:
+            messages.append(f"{type(exc).__name__}: {exc}")
+    y = comm.lse_reduce(po, pl, seq_lens=good_sl, query_start_loc=good_q, check=True)
+    assert torch.isfinite(y.float()).all()
+    return messages
 
 
 class _Subclass(torch.Tensor):
@@ -367,42 +425,6 @@ def auto_backend(state, device: str = "cpu", fail_setup_on: int = -1, other_host
     return result
 
 
-class FakeCoordinator:
-    """What vLLM's GroupCoordinator offers the drop-in."""
-
-    def __init__(self):
-        self.device_group = dist.group.WORLD
-        self.world_size = dist.get_world_size()
-        self.rank_in_group = dist.get_rank()
-
-
-def vllm_dropin(state, seed: int, device: str = "cpu") -> float:
-    """The drop-in against the reference, through a fake coordinator: return_lse, base 2, B=0."""
-    from dcp import vllm
-
-    coord = FakeCoordinator()
-    n, rank = coord.world_size, coord.rank_in_group
-    H, D = 4 * n, 32
-    worst = 0.0
-    vllm.warmup(coord, H, D, torch.bfloat16, device)
-    for i, (B, base_e, ret) in enumerate([(1, True, False), (5, False, True), (300, True, True)]):
-        outs, lses = make_inputs(seed + i, n, B, H, D, torch.bfloat16, special=True)
-        res = vllm.dcp_a2a_lse_reduce(outs[rank].to(device), lses[rank].to(device), coord,
-                                      return_lse=ret, is_lse_base_on_e=base_e)
-        y, yl = res if ret else (res, None)
-        ref, ref_lse = chunk_reference(outs, lses, rank, H // n, base_e)
-        err = max_rel_error(y, ref)
-        assert err <= TOL[torch.bfloat16], err
-        if ret:
-            assert torch.equal(torch.isneginf(yl.cpu()), torch.isneginf(ref_lse))
-        worst = max(worst, err)
-    empty = vllm.dcp_a2a_lse_reduce(torch.empty(0, H, D, dtype=torch.bfloat16, device=device),
-                                    torch.empty(0, H, device=device), dist.group.WORLD)
-    assert empty.shape == (0, H // n, D)
-    vllm.close_all()
-    return worst
-
-
 def set_epoch(state, key: str, channel: int, epoch: int) -> None:
     """Move a channel's device epoch (every rank alike), e.g. just below the wrap."""
     state[key]._transport.poke_epoch(channel, epoch)
@@ -553,30 +575,6 @@ def two_streams(state, key: str, seed: int, calls: int) -> float:
         assert err <= TOL[comm.dtype], (ch, err)
         worst = max(worst, err)
     return worst
-
-
-def readme_wiring(state, seed: int, readme_snippet: str) -> float:
-    """Run the README's wiring snippet against a stand-in vLLM module, then call through it."""
-    import sys
-    import types
-
-    names = ["vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops",
-             "vllm.v1.attention.ops.dcp_alltoall"]
-    for name in names:
-        sys.modules.setdefault(name, types.ModuleType(name))
-    target = sys.modules[names[-1]]
-    target.dcp_a2a_lse_reduce = lambda *a, **k: (_ for _ in ()).throw(AssertionError("vLLM's own ran"))
-    exec(readme_snippet, {})
-    from dcp import vllm
-
-    n, rank = dist.get_world_size(), dist.get_rank()
-    outs, lses = make_inputs(seed, n, 3, 2 * n, 16, torch.bfloat16)
-    y = target.dcp_a2a_lse_reduce(outs[rank], lses[rank], FakeCoordinator())
-    ref, _ = chunk_reference(outs, lses, rank, 2)
-    vllm.close_all()
-    for name in names:
-        del sys.modules[name]
-    return max_rel_error(y, ref)
 
 
 def traced_calls(state, seed: int, B: int, calls: int) -> list:

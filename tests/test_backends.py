@@ -42,18 +42,3 @@ def test_auto_falls_back_together_across_hosts(worlds):
 def test_env_overrides_the_default(worlds):
     res = worlds(2).run(rc.auto_backend, env_backend="nccl")
     assert all(r == ("nccl", "requested") for r in res), res
-
-
-def test_vllm_dropin_with_a_group_coordinator(worlds):
-    errs = worlds(3).run(rc.vllm_dropin, fresh_seed())
-    assert all(e <= rc.TOL[torch.bfloat16] for e in errs)
-
-
-def test_readme_vllm_wiring_works(worlds):
-    import pathlib
-    import re
-
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    snippet = re.search(r"<!-- vllm-wiring -->\s*```python\n(.*?)```", readme, re.S).group(1)
-    errs = worlds(2).run(rc.readme_wiring, fresh_seed(), snippet)
-    assert all(e <= rc.TOL[torch.bfloat16] for e in errs)

@@ -22,6 +22,8 @@ def _compile(kernel, pointers: dict, constexprs: dict, aligned_ptrs=(), num_warp
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = pointers[name]
+        elif name in ("seq_lens", "qsl"):  # vLLM's batch metadata: always int32 words
+            sig[name] = "*i32"
         elif name == "log2_scale":
             sig[name] = "fp32"
         else:
@@ -87,6 +89,21 @@ def test_gather_compiles_with_vector_rows(words, warps, tmp_path):
     assert len(re.findall(r"st\.global\.v4", ptx)) >= 2 and len(re.findall(r"ld\.global\.v4", ptx)) >= 2
     assert not re.search(r"st\.global\.b16", ptx), "scalar 2-byte row stores"
     assert "trap" not in ptx and "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.parametrize("warps", [1, 8, 16])
+def test_fp32_outputs_compile_with_vector_rows(warps, tmp_path):
+    """fp32 partial outputs (two 16-bit words a value in the packed rows) still move as 16-byte
+    vectors, pushes and combine reads alike, without spills."""
+    lay = ChannelLayout(3, 16, 512, 512, value_words=2, num_warps=warps)
+    ptx = _compile(build_kernels(False).fused,
+                   {"po": "*fp32", "lse": "*fp32", "y": "*fp32", "y_lse": "*fp32", "ctl": "*i64"},
+                   dict(ChannelRegion((lay, ChannelLayout(3, 16, 512, 512, lse=False))).constexprs(lay, warps),
+                        ALIGNED=True, GPU_SCOPE=True, TRACE=False, PDL=False),
+                   aligned_ptrs=("po", "y"), num_warps=warps)
+    assert _spill_bytes(ptx, tmp_path) == 0, "register spills"
+    assert len(re.findall(r"st\.global\.v4", ptx)) >= 2 and len(re.findall(r"ld\.global\.v4", ptx)) >= 4
+    assert not re.search(r"(st|ld)\.global\.b16", ptx), "scalar 2-byte row accesses"
 
 
 def test_nccl_path_kernels_compile():

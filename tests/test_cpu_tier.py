@@ -95,6 +95,46 @@ def test_ranks_with_different_grids_tile_calls_alike(worlds):
     w.run(rc.close_comm, "grids")
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_fp32_outputs_match_reference(worlds, n):
+    """fp32 partial outputs: two 16-bit words a value in the packed rows, the LSE in one fp32 lane."""
+    w = worlds(n)
+    seed = fresh_seed()
+    w.run(rc.make_comm, "fp32", max_tokens=MAX_TOKENS, num_heads=2 * n, head_dim=24, dtype="float32")
+    for i, case in enumerate([dict(B=1), dict(B=2 * MAX_TOKENS + 1, special=True, use_out=True),
+                              dict(B=3, strided=True, base_e=False), dict(B=2, misaligned=True)]):
+        w.run(rc.lse_case, "fp32", seed + i, **case)
+    w.run(rc.close_comm, "fp32")
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_batch_metadata_masks_rows_as_vllm_does(worlds, backend):
+    """seq_lens / query_start_loc: padding rows and empty local shards get no weight, on the device,
+    across chunks (B above max_tokens), with int32, int64 and strided metadata, no sequence at all."""
+    w = worlds(3)
+    seed = fresh_seed()
+    w.run(rc.make_comm, "meta", max_tokens=MAX_TOKENS, num_heads=6, head_dim=16, backend=backend)
+    cases = [dict(B=6, query_start_loc=[0, 1, 2, 3, 4]), dict(B=11, query_start_loc=[0, 3, 4, 7, 9], use_out=True),
+             dict(B=9, query_start_loc=[0, 2, 9], layout="int64"),
+             dict(B=5, query_start_loc=[0, 1, 1, 4], layout="strided"), dict(B=3, query_start_loc=[0])]
+    for i, case in enumerate(cases):
+        w.run(rc.metadata_case, "meta", seed + i, **case)
+    w.run(rc.close_comm, "meta")
+
+
+def test_inconsistent_batch_metadata_is_refused_on_every_rank(worlds):
+    w = worlds(2)
+    w.run(rc.make_comm, "meta", max_tokens=MAX_TOKENS, num_heads=4, head_dim=16)
+    messages = w.run(rc.metadata_errors, "meta")
+    assert messages[0] == messages[1]
+    together = "ValueError: seq_lens and query_start_loc must be provided together"
+    boundary = "ValueError: query_start_loc must contain one boundary per sequence"
+    assert messages[0][:4] == [together, together, boundary, boundary], messages[0]
+    assert "torch.int32 or torch.int64" in messages[0][4] and "must be contiguous" in messages[0][5]
+    assert messages[0][6].startswith("TypeError: seq_lens: expected a torch.Tensor"), messages[0]
+    w.run(rc.close_comm, "meta")
+
+
 def test_bad_calls_raise_clear_errors(worlds):
     w = worlds(3)
     w.run(rc.make_comm, "err", max_tokens=2, num_heads=6, head_dim=16)

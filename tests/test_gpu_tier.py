@@ -12,6 +12,7 @@ from dcp.kernels import EPOCH_PERIOD
 from tests import gather_cases as gc
 from tests import lockstep_cases as lc
 from tests import rank_cases as rc
+from tests import vllm_cases as vc
 from tests.conftest import fresh_seed
 
 pytestmark = [pytest.mark.gpu,
@@ -172,8 +173,16 @@ def test_peer_death_gpu():
 
 
 def test_vllm_dropin_triton_gpu(worlds):
-    assert all(e <= rc.TOL[torch.bfloat16] for e in worlds(3, "cuda").run(rc.vllm_dropin, fresh_seed(),
+    assert all(e <= rc.TOL[torch.bfloat16] for e in worlds(3, "cuda").run(vc.vllm_dropin, fresh_seed(),
                                                                           device="cuda"))
+
+
+def test_vllm_plugin_layer_in_a_cuda_graph_gpu(worlds):
+    """The plugin inside the stand-in vLLM: both collectives of an MLA layer's decode captured in one
+    graph (fp8 queries, seq_lens masking, B above max_tokens), none of vLLM's own transports."""
+    for r in worlds(3, "cuda").run(vc.graphed_layer, fresh_seed()):
+        assert r["err"] <= rc.TOL[torch.bfloat16] and not r["vllm_calls"], r
+        assert r["padded_stride"] == (3 * 4 + 4) * 576
 
 
 def test_construct_close_50_times_gpu(worlds):

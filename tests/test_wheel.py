@@ -142,6 +142,18 @@ def test_wheel_holds_only_dcp(installed):
             f"{info}/licenses/LICENSE"} <= set(names), sorted(names)
     entry_points = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
     assert f"{SCRIPT} = dcp.bench.__main__:main" in entry_points
+    assert "[vllm.general_plugins]\ndcp_a2a = dcp.vllm_plugin:register" in entry_points, entry_points
+
+
+def test_vllm_plugin_entry_point_loads_from_the_wheel(installed):
+    """What vLLM's plugin loader does in every process: find the group's entry points and load
+    them; the hook then does nothing without DCP_A2A_VLLM=1 (and no vLLM is installed here)."""
+    code = ("import importlib.metadata as md, json; eps = md.entry_points(group='vllm.general_plugins'); "
+            "fn = [e for e in eps if e.name == 'dcp_a2a'][0].load(); fn(); "
+            "print(json.dumps([fn.__module__, fn.__name__]))")
+    env = {k: v for k, v in installed.env.items() if k != "DCP_A2A_VLLM"}
+    assert json.loads(_run([installed.python, "-c", code], installed.cwd, 120, env).stdout) == \
+        ["dcp.vllm_plugin", "register"]
 
 
 def test_hf_kernels_stays_hf_kernels(installed):

@@ -1,0 +1,197 @@
+"""The ``vllm.general_plugins`` entry point: with ``DCP_A2A_VLLM=1``, vLLM's DCP layers run both
+collectives on this package.
+
+vLLM calls ``register()`` in every process (engine and workers) before process groups exist and
+before the model is built. It patches what it recognizes, by the symbols it finds (not by version):
+
+- ``vllm.v1.attention.ops.dcp`` (``MLADCPManager``): the manager's combine and query gather, chosen
+  once when each layer builds its manager, become this package's, ahead of vLLM's own transports
+  (the direct symmetric-memory workspace included). The communicator is built there, collectively
+  (the DCP group exists by then, graph capture comes later), one per geometry. vLLM's own path stays
+  only where this package cannot serve: PCP, a group of one, an unsupported dtype or width.
+- ``dcp_a2a_lse_reduce`` in ``vllm.v1.attention.ops.dcp`` and in the older
+  ``vllm.v1.attention.ops.dcp_alltoall``: replaced there and in every loaded module that imported
+  it by name, keeping vLLM's own as the fallback for geometries this package does not serve.
+
+Where an expected symbol is missing it says so and leaves that part of vLLM untouched.
+"""
+
+import functools
+import importlib
+import inspect
+import logging
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from dcp import vllm as dropin
+from dcp.comm import DcpAllToAll
+
+# A child of vLLM's logger, so that its lines appear in vLLM's log.
+log = logging.getLogger("vllm.dcp_a2a")
+
+ENV_ON = "DCP_A2A_VLLM"
+MANAGER_MODULE = "vllm.v1.attention.ops.dcp"
+ALLTOALL_MODULE = "vllm.v1.attention.ops.dcp_alltoall"
+_MANAGER_ARGS = ("num_heads", "query_head_dim", "output_head_dim", "query_dtype", "output_dtype",
+                 "padded_num_heads", "use_pcp")
+_COMBINE_ARGS = ("num_heads", "head_dim", "dtype", "is_lse_base_on_e", "use_pcp")
+_GATHER_ARGS = ("num_heads", "head_dim", "dtype")
+_MARK = "_dcp_a2a_original"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_ON, "0").strip() not in ("", "0")
+
+
+def register() -> None:
+    """vLLM's plugin hook: patch vLLM's DCP transports if ``DCP_A2A_VLLM=1`` (else do nothing)."""
+    if not enabled():
+        return
+    found = False
+    for module_name, patch in ((MANAGER_MODULE, _patch_manager), (MANAGER_MODULE, _patch_function),
+                               (ALLTOALL_MODULE, _patch_function)):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        found = True
+        patch(module)
+    if not found:
+        log.warning("dcp_a2a: DCP_A2A_VLLM=1 but neither %s nor %s can be imported; vLLM left untouched",
+                    MANAGER_MODULE, ALLTOALL_MODULE)
+
+
+def _missing_parameters(fn, names) -> list:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return list(names)
+    return [n for n in names if n not in params]
+
+
+def _patch_manager(module) -> None:
+    cls = getattr(module, "MLADCPManager", None)
+    methods = ("__init__", "_init_combine", "_init_query_gather")
+    missing = ["MLADCPManager"] if cls is None else [m for m in methods if not callable(getattr(cls, m, None))]
+    if not missing:
+        missing = [f"{m}({p})" for m, names in zip(methods, (_MANAGER_ARGS, _COMBINE_ARGS, _GATHER_ARGS))
+                   for p in _missing_parameters(getattr(cls, m), names)]
+    if missing:
+        log.warning("dcp_a2a: %s lacks %s; its DCP manager left untouched", module.__name__, ", ".join(missing))
+        return
+    if _MARK in cls.__dict__:
+        return
+    originals = {m: cls.__dict__[m] for m in methods}
+    signatures = {m: inspect.signature(f) for m, f in originals.items()}
+
+    def bound(method, args, kwargs) -> dict:
+        b = signatures[method].bind(*args, **kwargs)
+        b.apply_defaults()
+        return b.arguments
+
+    def __init__(self, *args, **kwargs):
+        a = bound("__init__", (self,) + args, kwargs)
+        self._dcp_a2a_geometry = {k: a[k] for k in _MANAGER_ARGS}
+        originals["__init__"](self, *args, **kwargs)
+
+    def _init_combine(self, *args, **kwargs):
+        a = bound("_init_combine", (self,) + args, kwargs)
+        comm = None if a["use_pcp"] else _manager_comm(self)
+        if comm is None:
+            return originals["_init_combine"](self, *args, **kwargs)
+        return functools.partial(_combine, comm, bool(a["is_lse_base_on_e"]))
+
+    def _init_query_gather(self, *args, **kwargs):
+        comm = _manager_comm(self)
+        if comm is None or not self._dcp_a2a_serves_query:
+            return originals["_init_query_gather"](self, *args, **kwargs)
+        return functools.partial(_gather, comm, self._dcp_a2a_geometry["padded_num_heads"])
+
+    for name, fn in (("__init__", __init__), ("_init_combine", _init_combine),
+                     ("_init_query_gather", _init_query_gather)):
+        functools.update_wrapper(fn, originals[name])
+        setattr(cls, name, fn)
+    setattr(cls, _MARK, originals)
+    log.info("dcp_a2a: %s.MLADCPManager patched: MLA DCP combine and query gather run on dcp-a2a "
+             "(DCP_A2A_VLLM=1), ahead of vLLM's own transports", module.__name__)
+
+
+def _manager_comm(manager) -> Optional[DcpAllToAll]:
+    """The communicator of a manager's geometry (built collectively on first use), or None where
+    this package does not serve it; each verdict logged once per geometry."""
+    if hasattr(manager, "_dcp_a2a_comm"):
+        return manager._dcp_a2a_comm
+    g, group = manager._dcp_a2a_geometry, manager.group
+    world = dropin.group_parts(group)[1]
+    heads = g["num_heads"] * world
+    why = "a group of one" if world == 1 else dropin.servable(world, heads, g["output_head_dim"], g["output_dtype"])
+    query_why = dropin.query_servable(g["query_head_dim"], g["query_dtype"])
+    comm = None
+    if why is None:
+        tokens = dropin.max_tokens_from_env() if os.environ.get("DCP_A2A_MAX_TOKENS") else (
+            getattr(manager, "max_num_tokens", None) or dropin.DEFAULT_MAX_TOKENS)
+        query = {} if query_why else dict(query_dim=g["query_head_dim"], query_dtype=g["query_dtype"])
+        comm = dropin.communicator(group, heads, g["output_head_dim"], g["output_dtype"], manager.device,
+                                   max_tokens=tokens, **query)
+    _log_once((world, heads, g["output_head_dim"], g["output_dtype"], g["query_head_dim"], g["query_dtype"]),
+              why, query_why, comm)
+    manager._dcp_a2a_comm, manager._dcp_a2a_serves_query = comm, comm is not None and query_why is None
+    return comm
+
+
+_logged: set = set()
+
+
+def _log_once(key, why, query_why, comm) -> None:
+    if key in _logged:
+        return
+    _logged.add(key)
+    world, heads, d, dtype, dq, qdtype = key
+    if comm is None:
+        log.info("dcp_a2a: N=%d, %d heads, D=%d %s: vLLM's own combine and gather kept (%s)", world, heads, d,
+                 dtype, why)
+        return
+    log.info("dcp_a2a: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend, max_tokens %d); query gather "
+             "Dq=%d %s %s", world, heads, d, dtype, comm.backend, comm.max_tokens, dq, qdtype,
+             "on dcp-a2a" if query_why is None else f"kept on vLLM's own ({query_why})")
+
+
+def _combine(comm: DcpAllToAll, base_e: bool, partial_output: torch.Tensor, partial_lse: torch.Tensor, *,
+             seq_lens: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None):
+    """The manager's ``combine(out, lse, *, seq_lens, query_start_loc)``."""
+    return comm.lse_reduce(partial_output, partial_lse, is_lse_base_on_e=base_e, seq_lens=seq_lens,
+                           query_start_loc=query_start_loc)
+
+
+def _gather(comm: DcpAllToAll, padded_num_heads: Optional[int], query: torch.Tensor) -> torch.Tensor:
+    """The manager's ``query_gather(q)``: ``[B, H/N, Dq]`` -> ``[B, H, Dq]``, in head-padded storage
+    where the manager asks for it."""
+    out = None
+    if padded_num_heads is not None:
+        out = torch.empty((query.shape[0], padded_num_heads, query.shape[2]), dtype=query.dtype,
+                          device=query.device)[:, :comm.num_heads]
+    return comm.all_gather_heads(query, out)
+
+
+def _patch_function(module) -> None:
+    """Replace ``module.dcp_a2a_lse_reduce`` and every loaded module's by-name import of it."""
+    original = getattr(module, "dcp_a2a_lse_reduce", None)
+    if original is None:
+        if module.__name__ == ALLTOALL_MODULE:
+            log.warning("dcp_a2a: %s has no dcp_a2a_lse_reduce; left untouched", module.__name__)
+        return
+    if getattr(original, "__wrapped__", None) is not None and getattr(original, "_dcp_a2a", False):
+        return
+    ours = dropin.fallback_combine(original)
+    ours._dcp_a2a = True
+    rebound = []
+    for name, other in list(sys.modules.items()):
+        namespace = getattr(other, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get("dcp_a2a_lse_reduce") is original:
+            namespace["dcp_a2a_lse_reduce"] = ours
+            rebound.append(name)
+    log.info("dcp_a2a: dcp_a2a_lse_reduce replaced in %s (vLLM's own kept for geometries dcp-a2a does not serve)",
+             ", ".join(sorted(rebound)))

@@ -1,0 +1,113 @@
+"""The vLLM integration on the CPU tier: the drop-ins, and the plugin inside a stand-in vLLM
+(``tests/standin_vllm``) driven across rank processes over gloo."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from dcp import vllm as dropin
+from dcp import vllm_plugin
+from tests import rank_cases as rc
+from tests import vllm_cases as vc
+from tests.conftest import fresh_seed
+
+OWN_TRANSPORTS = {"dcp_a2a_lse_reduce", "cp_lse_ag_out_rs", "direct_workspace.lse_reduce",
+                  "get_direct_dcp_a2a_workspace", "get_direct_dcp_q_gather_workspace",
+                  "GroupCoordinator.all_gather"}
+
+
+@pytest.mark.parametrize("n,dtype,query_dtype", [(2, "bfloat16", "float8_e4m3fn"), (3, "float32", "bfloat16")])
+def test_plugin_runs_both_collectives_of_vllms_mla_layer(worlds, n, dtype, query_dtype):
+    res = worlds(n).run(vc.current_lineage, fresh_seed(), True, dtype, query_dtype)
+    for r in res:
+        assert r["err"] <= rc.TOL[rc.DTYPES[dtype]]
+        assert not set(r["vllm_calls"]) & OWN_TRANSPORTS, r["vllm_calls"]  # none of vLLM's own ran
+        assert r["communicators"] == 1  # one per geometry, every layer on it
+    lines = res[0]["log"]
+    assert any("MLADCPManager patched" in line for line in lines), lines
+    assert any(f"N={n}" in line and "on dcp-a2a" in line and "query gather" in line for line in lines), lines
+
+
+def test_without_the_variable_vllm_keeps_its_own(worlds):
+    res = worlds(2).run(vc.current_lineage, fresh_seed(), False)
+    for r in res:
+        assert r["err"] <= rc.TOL[torch.bfloat16]
+        assert r["vllm_calls_at_build"]["get_direct_dcp_a2a_workspace"] == 2  # the direct workspace won
+        # B = 11 is above its 8 tokens: vLLM's workspace falls back to its packed combine (2 layers),
+        # which also serves the module-level call; the gathers go through the group.
+        assert r["vllm_calls"]["dcp_a2a_lse_reduce"] == 3 and "direct_workspace.lse_reduce" not in r["vllm_calls"]
+        assert r["vllm_calls"]["GroupCoordinator.all_gather"] == 2
+        assert r["communicators"] == 0 and r["log"] == []
+
+
+def test_plugin_rebinds_the_older_lineage_everywhere(worlds):
+    res = worlds(2).run(vc.legacy_lineage, fresh_seed(), True)
+    for r in res:
+        assert r["err"] <= rc.TOL[torch.bfloat16]
+        assert r["rebound"] == [True, True] and "dcp_a2a_lse_reduce" not in r["vllm_calls"], r
+    lines = res[0]["log"]
+    assert [line for line in lines if "ignoring keyword" in line] == [
+        "dcp.vllm.dcp_a2a_lse_reduce: ignoring keyword(s) b12x_max_batch_size, b12x_query_head_dim, use_b12x "
+        "(not needed by this backend)"], lines  # logged once
+    assert any("vllm.v1.attention.backends.mla.common" in line for line in lines), lines
+
+
+def test_legacy_lineage_without_the_variable(worlds):
+    res = worlds(2).run(vc.legacy_lineage, fresh_seed(), False)
+    assert all(r["vllm_calls"]["dcp_a2a_lse_reduce"] == 3 and r["rebound"] == [False, False] for r in res), res
+
+
+def test_a_missing_symbol_leaves_vllm_untouched(worlds):
+    untouched, *lines = worlds(2).run(vc.missing_symbols)[0]
+    assert untouched and lines and "_init_query_gather" in lines[0], lines
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_semantics_of_vllms_own_combine_tests(worlds, dtype):
+    for r in worlds(3).run(vc.semantics, fresh_seed(), dtype):
+        assert all(v for k, v in r.items() if k != "dtype"), r
+        assert r["dtype"] == f"torch.{dtype}"
+
+
+def test_dropin_with_a_group_coordinator(worlds):
+    errs = worlds(3).run(vc.vllm_dropin, fresh_seed())
+    assert all(e <= rc.TOL[torch.bfloat16] for e in errs)
+
+
+def test_a_group_of_one_returns_the_inputs():
+    one = types.SimpleNamespace(world_size=1, device_group=None)
+    out, lse = torch.randn(3, 4, 8), torch.randn(3, 4)
+    assert dropin.dcp_a2a_lse_reduce(out, lse, one) is out
+    y, yl = dropin.dcp_a2a_lse_reduce(out, lse, kvp_group=one, return_lse=True)
+    assert y is out and yl is lse
+    assert dropin.query_gather(out, one) is out
+
+
+def test_dropin_errors_name_the_problem():
+    with pytest.raises(TypeError, match="missing the group"):
+        dropin.dcp_a2a_lse_reduce(torch.randn(1, 2, 8), torch.randn(1, 2))
+    with pytest.raises(TypeError, match="device_group"):
+        dropin.dcp_a2a_lse_reduce(torch.randn(1, 2, 8), torch.randn(1, 2), object())
+
+
+def test_plugin_does_nothing_unless_asked(monkeypatch, caplog):
+    monkeypatch.delenv("DCP_A2A_VLLM", raising=False)
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+        monkeypatch.setenv("DCP_A2A_VLLM", "0")
+        vllm_plugin.register()
+    assert caplog.records == []
+    monkeypatch.setenv("DCP_A2A_VLLM", "1")
+    with caplog.at_level(logging.WARNING, logger="vllm.dcp_a2a"):
+        vllm_plugin.register()  # no vLLM in this process: says so, changes nothing
+    assert any("neither" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_max_tokens_variable_is_validated(monkeypatch):
+    monkeypatch.setenv("DCP_A2A_MAX_TOKENS", "0")
+    with pytest.raises(Exception, match="DCP_A2A_MAX_TOKENS must be a positive integer"):
+        dropin.max_tokens_from_env()
+    monkeypatch.setenv("DCP_A2A_MAX_TOKENS", "96")
+    assert dropin.max_tokens_from_env() == 96
