@@ -124,6 +124,12 @@ def _manager_comm(manager) -> Optional[DcpAllToAll]:
     this package does not serve it; each verdict logged once per geometry."""
     if hasattr(manager, "_dcp_a2a_comm"):
         return manager._dcp_a2a_comm
+    missing = [a for a in ("group", "device", "_dcp_a2a_geometry") if not hasattr(manager, a)]
+    if missing:
+        log.warning("dcp_a2a: an MLADCPManager has no %s when it picks its transports; vLLM's own kept",
+                    ", ".join(missing))
+        manager._dcp_a2a_comm, manager._dcp_a2a_serves_query = None, False
+        return None
     g, group = manager._dcp_a2a_geometry, manager.group
     world = dropin.group_parts(group)[1]
     heads = g["num_heads"] * world
