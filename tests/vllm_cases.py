@@ -28,18 +28,17 @@ B, MAX_TOKENS = 11, 8
 
 
 class FakeCoordinator:
-    """What vLLM's GroupCoordinator offers the drop-in."""
+    """The least of vLLM's GroupCoordinator that the drop-in needs: ``world_size`` and ``device_group``."""
 
     def __init__(self):
         self.device_group = dist.group.WORLD
         self.world_size = dist.get_world_size()
-        self.rank_in_group = dist.get_rank()
 
 
 def vllm_dropin(state, seed: int, device: str = "cpu") -> float:
     """The drop-in against the reference, through a fake coordinator: return_lse, base 2, B=0."""
     coord = FakeCoordinator()
-    n, rank = coord.world_size, coord.rank_in_group
+    n, rank = coord.world_size, dist.get_rank()
     H, D = 4 * n, 32
     worst = 0.0
     dropin.communicator(coord, H, D, torch.bfloat16, device)
@@ -225,7 +224,7 @@ def semantics(state, seed: int, dtype: str) -> dict:
     the drop-in: an empty shard with NaN outputs, a dominant rank, equal LSEs, base 2 with the
     LSE returned, and the pack width of each output dtype (fp16, bf16, fp32)."""
     coord = FakeCoordinator()
-    n, rank = coord.world_size, coord.rank_in_group
+    n, rank = coord.world_size, dist.get_rank()
     dt = DTYPES[dtype]
     H, D, b = 2 * n, 24, 5
     hn, mine = H // n, slice(rank * 2, rank * 2 + 2)
