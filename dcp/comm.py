@@ -648,12 +648,10 @@ class DcpAllToAll:
             if t.dtype not in META_DTYPES or t.device != self.device:
                 raise TypeError(f"{name}: expected torch.int32 or torch.int64 on {self.device}, got {t.dtype} "
                                 f"on {t.device}")
-            if t.dtype == torch.int32:
-                words.append((t, t.stride(0)))
-            elif t.stride(0) == 1 or t.shape[0] == 1:  # the low 32-bit word of each (little-endian) value
-                words.append((t.view(torch.int32), 2))
-            else:
-                raise ValueError(f"{name}: an int64 tensor must be contiguous; got stride {t.stride(0)}")
+            if t.dtype == torch.int64:  # its low 32-bit words (little-endian), in place: no copy
+                t = torch.empty(0, dtype=torch.int32, device=t.device).set_(
+                    t.untyped_storage(), 2 * t.storage_offset(), t.shape, (2 * t.stride(0),))
+            words.append((t, t.stride(0)))
         (sl, s_sl), (qsl, s_qsl) = words
         return (sl, qsl, seq_lens.shape[0], s_sl, s_qsl)
 

@@ -8,6 +8,7 @@ not a dependency: a group is a ``torch.distributed`` group or any object with ``
 ``device_group`` (vLLM's ``GroupCoordinator``).
 """
 
+import inspect
 import logging
 import os
 from typing import Any, Callable, Optional, Union
@@ -153,27 +154,40 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
                            out=out, seq_lens=seq_lens, query_start_loc=query_start_loc)
 
 
+def head_padded(q: torch.Tensor, num_heads: int, padded_num_heads: Optional[int]) -> Optional[torch.Tensor]:
+    """The gather's output as vLLM reserves it for fixed-head decode kernels: a contiguous
+    ``[B, H, Dq]`` tensor in storage of ``[B, padded_num_heads, Dq]`` (None: no padding asked)."""
+    if padded_num_heads is None:
+        return None
+    if padded_num_heads < num_heads:
+        raise ValueError(f"padded_num_heads {padded_num_heads} < {num_heads} heads")
+    B, _, dq = q.shape
+    storage = torch.empty(B * padded_num_heads * dq, dtype=q.dtype, device=q.device)
+    return storage[:B * num_heads * dq].view(B, num_heads, dq)
+
+
 def query_gather(q: torch.Tensor, cp_group: Any, padded_num_heads: Optional[int] = None) -> torch.Tensor:
-    """vLLM's query all-gather along heads: ``[B, H/N, Dq]`` -> ``[B, H, Dq]``. With
-    ``padded_num_heads``, the result is the ``[:, :H]`` view of ``[B, padded_num_heads, Dq]``
-    storage, as fixed-head decode kernels need. A group of one returns ``q``."""
+    """vLLM's query all-gather along heads: ``[B, H/N, Dq]`` -> ``[B, H, Dq]``, with
+    ``padded_num_heads`` in storage reserved for that many heads, as vLLM does. A group of one
+    returns ``q``."""
     group, world = group_parts(cp_group)
     if world == 1:
         return q
     B, hn, dq = q.shape
     comm = _cached(group, hn * world, None, None, q.device, (dq, q.dtype))
-    out = None
-    if padded_num_heads is not None:
-        if padded_num_heads < hn * world:
-            raise ValueError(f"padded_num_heads {padded_num_heads} < {hn * world} heads")
-        out = torch.empty((B, padded_num_heads, dq), dtype=q.dtype, device=q.device)[:, :hn * world]
-    return comm.all_gather_heads(q, out)
+    return comm.all_gather_heads(q, head_padded(q, hn * world, padded_num_heads))
 
 
 def fallback_combine(original: Callable) -> Callable:
     """``dcp_a2a_lse_reduce`` where this package serves the call's geometry, else ``original``
-    (vLLM's own, called exactly as it was)."""
+    (vLLM's own, called exactly as it was). Positions past the sixth, which lineages name
+    differently (``seq_lens`` here, ``use_b12x`` in ``dcp_alltoall.py``), pass by ``original``'s names."""
+    names = list(inspect.signature(original).parameters)[2:]
+
     def combine(cp_attn_out, cp_attn_lse, *args, **kwargs):
+        if len(args) > 4:
+            kwargs.update(zip(names, args))
+            args = ()
         group = args[0] if args else kwargs.get("cp_group", kwargs.get("kvp_group"))
         world = group_parts(group)[1] if group is not None else 0
         if (world == 1 or world and isinstance(cp_attn_out, torch.Tensor) and cp_attn_out.dim() == 3

@@ -8,7 +8,8 @@ before the model is built. It patches what it recognizes, by the symbols it find
   once when each layer builds its manager, become this package's, ahead of vLLM's own transports
   (the direct symmetric-memory workspace included). The communicator is built there, collectively
   (the DCP group exists by then, graph capture comes later), one per geometry. vLLM's own path stays
-  only where this package cannot serve: PCP, a group of one, an unsupported dtype or width.
+  only where this package cannot serve (a group of one, an unsupported dtype or width, a call unlike
+  the declared geometry); with PCP the manager's own choice stands.
 - ``dcp_a2a_lse_reduce`` in ``vllm.v1.attention.ops.dcp`` and in the older
   ``vllm.v1.attention.ops.dcp_alltoall``: replaced there and in every loaded module that imported
   it by name, keeping vLLM's own as the fallback for geometries this package does not serve.
@@ -102,13 +103,18 @@ def _patch_manager(module) -> None:
         comm = None if a["use_pcp"] else _manager_comm(self)
         if comm is None:
             return originals["_init_combine"](self, *args, **kwargs)
-        return functools.partial(_combine, comm, bool(a["is_lse_base_on_e"]))
+        base_e = bool(a["is_lse_base_on_e"])
+        # For a call unlike the declared geometry (a backend's output dtype may differ): vLLM's own.
+        own = getattr(module.__dict__.get("dcp_a2a_lse_reduce"), "__wrapped__", None)
+        fallback = own and functools.partial(own, cp_group=self.group, is_lse_base_on_e=base_e)
+        return functools.partial(_combine, comm, base_e, fallback)
 
     def _init_query_gather(self, *args, **kwargs):
         comm = _manager_comm(self)
         if comm is None or not self._dcp_a2a_serves_query:
             return originals["_init_query_gather"](self, *args, **kwargs)
-        return functools.partial(_gather, comm, self._dcp_a2a_geometry["padded_num_heads"])
+        return functools.partial(_gather, comm, self._dcp_a2a_geometry["padded_num_heads"],
+                                 getattr(self, "_gather_query", None))
 
     for name, fn in (("__init__", __init__), ("_init_combine", _init_combine),
                      ("_init_query_gather", _init_query_gather)):
@@ -165,21 +171,34 @@ def _log_once(key, why, query_why, comm) -> None:
              "on dcp-a2a" if query_why is None else f"kept on vLLM's own ({query_why})")
 
 
-def _combine(comm: DcpAllToAll, base_e: bool, partial_output: torch.Tensor, partial_lse: torch.Tensor, *,
-             seq_lens: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None):
+def _unlike(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, fallback) -> bool:
+    """Whether a call differs from the communicator's geometry (then vLLM's own serves it, the
+    same on every rank: the verdict reads only shapes and dtypes); logged once per kind of call."""
+    if t.dtype is dtype and t.shape[1:] == shape or fallback is None:
+        return False  # (without a fallback, the call raises naming what does not fit)
+    key = (what, t.dtype, tuple(t.shape[1:]))
+    if key not in _logged:
+        _logged.add(key)
+        log.info("dcp_a2a: a %s of %s %s, not the %s %s declared: vLLM's own serves it", what, t.dtype,
+                 list(t.shape[1:]), dtype, list(shape))
+    return True
+
+
+def _combine(comm: DcpAllToAll, base_e: bool, fallback, partial_output: torch.Tensor, partial_lse: torch.Tensor,
+             *, seq_lens: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None):
     """The manager's ``combine(out, lse, *, seq_lens, query_start_loc)``."""
+    if _unlike("combine", partial_output, comm.dtype, (comm.num_heads, comm.head_dim), fallback):
+        return fallback(partial_output, partial_lse, seq_lens=seq_lens, query_start_loc=query_start_loc)
     return comm.lse_reduce(partial_output, partial_lse, is_lse_base_on_e=base_e, seq_lens=seq_lens,
                            query_start_loc=query_start_loc)
 
 
-def _gather(comm: DcpAllToAll, padded_num_heads: Optional[int], query: torch.Tensor) -> torch.Tensor:
-    """The manager's ``query_gather(q)``: ``[B, H/N, Dq]`` -> ``[B, H, Dq]``, in head-padded storage
-    where the manager asks for it."""
-    out = None
-    if padded_num_heads is not None:
-        out = torch.empty((query.shape[0], padded_num_heads, query.shape[2]), dtype=query.dtype,
-                          device=query.device)[:, :comm.num_heads]
-    return comm.all_gather_heads(query, out)
+def _gather(comm: DcpAllToAll, padded_num_heads: Optional[int], fallback, query: torch.Tensor) -> torch.Tensor:
+    """The manager's ``query_gather(q)``: ``[B, H/N, Dq]`` -> ``[B, H, Dq]``, in storage reserved for
+    ``padded_num_heads`` where the manager asks for it."""
+    if _unlike("query gather", query, comm.query_dtype, (comm.heads_per_rank, comm.query_dim), fallback):
+        return fallback(query)
+    return comm.all_gather_heads(query, dropin.head_padded(query, comm.num_heads, padded_num_heads))
 
 
 def _patch_function(module) -> None:

@@ -116,7 +116,7 @@ def _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, BLOCK_R:
     sequence ``#{i in 1..num_seqs : query_start_loc[i] <= b}``, clamped to the last one."""
     b = tok + tok0
     seq = tl.full([BLOCK_R], 0, tl.int32)
-    c = 0
+    c = num_seqs * 0  # a tensor on both tiers (a Python int would turn constexpr in the loop)
     while c < num_seqs:  # sequences in blocks, each counted with one load and one reduction
         i = c + 1 + tl.arange(0, _SEQ_BLOCK)
         v = tl.load(qsl + i.to(tl.int64) * s_qsl, mask=i <= num_seqs, other=0x7FFFFFFF)

@@ -53,16 +53,23 @@ def _then_poisoned(comm: DcpAllToAll, seed: int, B: int = 2, channel: int = 0) -
     return msg
 
 
-def rejecting_rank(state, key: str, seed: int, bad_rank: int, B: int = 3) -> dict:
-    """``bad_rank`` passes a wrong dtype; the others a correct call. Then everyone a correct call."""
+def rejecting_rank(state, key: str, seed: int, bad_rank: int, B: int = 3, how: str = "dtype") -> dict:
+    """``bad_rank`` passes a wrong dtype (or, ``how="metadata"``, batch metadata of mismatched
+    lengths); the others a correct call. Then everyone a correct call."""
     comm: DcpAllToAll = state[key]
     outs, lses, po, pl = _inputs(comm, seed, B)
     other = torch.float16 if comm.dtype == torch.bfloat16 else torch.bfloat16
+    meta = {}
+    if how == "metadata":  # the bad rank's query_start_loc lacks a boundary
+        bounds = [0, B] if comm.rank == bad_rank else [0, 1, B]
+        meta = dict(seq_lens=torch.tensor([2, 0], dtype=torch.int32, device=comm.device),
+                    query_start_loc=torch.tensor(bounds, dtype=torch.int32, device=comm.device))
     t0 = time.monotonic()
     if comm.rank == bad_rank:
-        first = _raises(lambda: comm.lse_reduce(po.to(other), pl, check=True), (TypeError,))
+        bad = po if how == "metadata" else po.to(other)
+        first = _raises(lambda: comm.lse_reduce(bad, pl, check=True, **meta), (TypeError, ValueError))
     else:
-        first = _raises(lambda: comm.lse_reduce(po, pl, check=True), (DcpMismatchError,))
+        first = _raises(lambda: comm.lse_reduce(po, pl, check=True, **meta), (DcpMismatchError,))
     return {"first": first, "elapsed": time.monotonic() - t0, "next": _then_poisoned(comm, seed + 1)}
 
 

@@ -182,7 +182,7 @@ def test_vllm_plugin_layer_in_a_cuda_graph_gpu(worlds):
     graph (fp8 queries, seq_lens masking, B above max_tokens), none of vLLM's own transports."""
     for r in worlds(3, "cuda").run(vc.graphed_layer, fresh_seed()):
         assert r["err"] <= rc.TOL[torch.bfloat16] and not r["vllm_calls"], r
-        assert r["padded_stride"] == (3 * 4 + 4) * 576
+        assert r["contiguous"] and r["storage"] >= 11 * (3 * 4 + 4) * 576  # B = 11, room for 16 heads
 
 
 def test_construct_close_50_times_gpu(worlds):

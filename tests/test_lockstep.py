@@ -43,6 +43,16 @@ def test_a_rank_rejecting_its_call_fails_the_call_everywhere(worlds, n):
     w.run(rc.close_comm, "ls")
 
 
+def test_a_rank_rejecting_its_batch_metadata_fails_the_call_everywhere(worlds):
+    w = worlds(2)
+    _comm(w)
+    res = w.run(lc.rejecting_rank, "ls", fresh_seed(), bad_rank=0, how="metadata")
+    assert res[0]["first"] == "ValueError: query_start_loc must contain one boundary per sequence", res[0]
+    assert "rank 0 rejected its call before launch" in res[1]["first"] and res[1]["elapsed"] < FAST_S, res[1]
+    _poisoned_everywhere(res)
+    w.run(rc.close_comm, "ls")
+
+
 def test_a_call_every_rank_rejects_leaves_the_channel_in_step(worlds):
     w = worlds(3)
     _comm(w)

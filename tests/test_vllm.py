@@ -53,6 +53,12 @@ def test_without_the_variable_vllm_keeps_its_own(worlds):
         assert r["communicators"] == 0 and r["log"] == []
 
 
+def test_calls_unlike_the_declared_geometry_go_to_vllms_own(worlds):
+    for r in worlds(2).run(vc.unlike_declared, fresh_seed()):
+        assert r["vllm_calls"]["dcp_a2a_lse_reduce"] == 1 and r["vllm_calls"]["GroupCoordinator.all_gather"] == 1
+        assert len(r["log"]) == 2, r["log"]
+
+
 def test_plugin_rebinds_the_older_lineage_everywhere(worlds):
     res = worlds(2).run(vc.legacy_lineage, fresh_seed(), True)
     for r in res:

@@ -154,7 +154,8 @@ def current_lineage(state, seed: int, enabled: bool, dtype: str = "bfloat16",
         q, y = layer.dcp_decode(q_local, outs[rank], lses[rank], seq_lens[rank], qsl)
         want = torch.cat(queries, dim=1)
         assert q.shape == want.shape and torch.equal(q.view(torch.uint8), want.view(torch.uint8)), "gather not exact"
-        assert q.stride(0) == padded * (d_lora + d_rope), f"query storage not head-padded: {q.stride()}"
+        assert q.is_contiguous() and q.untyped_storage().nbytes() >= B * padded * (d_lora + d_rope) * qdt.itemsize, \
+            "query storage not reserved for the padded heads"
         ref, _ = _reference(outs, lses, seq_lens, rank, hn)
         assert y.shape == (B, hn, d_lora) and y.dtype == dt
         err = max_rel_error(y, ref)
@@ -175,6 +176,29 @@ def current_lineage(state, seed: int, enabled: bool, dtype: str = "bfloat16",
     return result
 
 
+def unlike_declared(state, seed: int) -> dict:
+    """Calls unlike what the manager declared (a backend whose output is bf16 in an fp16 model, an
+    fp8 decode query where the model dtype was declared): vLLM's own serves them, on every rank."""
+    vllm, lines = _fresh_vllm("current", True)
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    hn, d_lora, d_rope = 2, 16, 16
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(dcp_comm_backend="a2a"),
+                                   max_num_tokens=MAX_TOKENS)
+    layer = MLAAttention(config, "cpu", hn, d_lora, d_rope, torch.float16, torch.float16)
+    outs, lses, seq_lens = _batch(seed, n, n * hn, d_lora, torch.bfloat16)
+    queries = make_queries(seed + 2, n, B, hn, d_lora + d_rope, torch.float8_e4m3fn)
+    qsl = torch.tensor(QUERY_START_LOC, dtype=torch.int32)
+    q, y = layer.dcp_decode(queries[rank], outs[rank], lses[rank], seq_lens[rank], qsl)
+    assert torch.equal(q.view(torch.uint8), torch.cat(queries, dim=1).view(torch.uint8))
+    err = max_rel_error(y, _reference(outs, lses, seq_lens, rank, hn)[0])
+    assert y.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16], err
+    result = {"vllm_calls": dict(vllm.CALLS), "log": [line for line in lines if "vLLM's own serves" in line]}
+    dropin.close_all()
+    return result
+
+
 def legacy_lineage(state, seed: int, enabled: bool) -> dict:
     """The older lineage: ``dcp_a2a_lse_reduce`` imported by name by a module loaded before the
     plugin and by one loaded after; its callers pass options of their own (logged once, ignored)."""
@@ -191,8 +215,7 @@ def legacy_lineage(state, seed: int, enabled: bool) -> dict:
         y, yl = common.combine_decode(outs[rank], lses[rank], get_dcp_group(), return_lse=True)
         worst = max(worst, max_rel_error(y, ref))
         assert torch.equal(torch.isneginf(yl), torch.isneginf(ref_lse))
-    y = flashmla.dcp_a2a_lse_reduce(outs[rank], lses[rank], get_dcp_group(), None, False, True,
-                                    use_b12x=True)
+    y = flashmla.dcp_a2a_lse_reduce(outs[rank], lses[rank], get_dcp_group(), None, False, True, True)  # use_b12x
     worst = max(worst, max_rel_error(y, ref))
     assert worst <= TOL[torch.bfloat16], worst
     result = {"err": worst, "vllm_calls": dict(vllm.CALLS), "log": lines,
@@ -311,7 +334,8 @@ def graphed_layer(state, seed: int, replays: int = 6) -> dict:
         err = max_rel_error(y, _reference(outs, lses, seq_lens, rank, hn)[0])
         assert err <= TOL[dt], f"step {step}: combine error {err}"
         worst = max(worst, err)
-    result = {"err": worst, "vllm_calls": dict(vllm.CALLS), "padded_stride": q.stride(0)}
+    result = {"err": worst, "vllm_calls": dict(vllm.CALLS), "contiguous": q.is_contiguous(),
+              "storage": q.untyped_storage().nbytes()}
     del graph
     dropin.close_all()
     return result

@@ -19,9 +19,10 @@ class GroupCoordinator:
         CALLS["GroupCoordinator.all_gather"] += 1
         if self.world_size == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=dim)
+        raw = t.contiguous().view(torch.uint8)  # as bytes: gloo has no fp8
+        parts = [torch.empty_like(raw) for _ in range(self.world_size)]
+        dist.all_gather(parts, raw, group=self.device_group)
+        return torch.cat(parts, dim=dim).view(t.dtype)
 
 
 def init_dcp_group(group: dist.ProcessGroup) -> None:

@@ -43,9 +43,9 @@ def get_direct_dcp_a2a_workspace(group, device, max_num_tokens, num_heads, head_
 
 
 def reserve_query_head_storage(query: torch.Tensor, padded_num_heads: int) -> torch.Tensor:
-    padded = query.new_empty((query.shape[0], padded_num_heads, query.shape[2]))[:, :query.shape[1]]
-    padded.copy_(query)
-    return padded
+    """vLLM's layout: a contiguous [B, H, D] tensor whose storage has room for padded_num_heads."""
+    storage = query.new_empty(query.shape[0] * padded_num_heads * query.shape[2])
+    return storage[:query.numel()].view(query.shape).copy_(query)
 
 
 class MLADCPManager:
