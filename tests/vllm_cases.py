@@ -339,3 +339,42 @@ def graphed_layer(state, seed: int, replays: int = 6) -> dict:
     del graph
     dropin.close_all()
     return result
+
+
+def real_vllm_layer(state, seed: int) -> dict:
+    """The plugin inside a real vLLM's own code (not the stand-in): its plugin loader, config, process
+    groups and MLADCPManager on CPU tensors over the world's gloo group; combine (with seq_lens) and
+    head-padded query gather against the references."""
+    os.environ["DCP_A2A_VLLM"] = "1"
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # an unpacked wheel cannot infer its platform
+    records = Records()
+    logging.getLogger("vllm.dcp_a2a").addHandler(records)
+    logging.getLogger("vllm.dcp_a2a").setLevel(logging.INFO)
+    import vllm.plugins
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.v1.attention.ops import dcp as vdcp
+
+    assert "standin_vllm" not in str(Path(vllm.__file__)), "the stand-in, not a real vLLM"
+    vllm.plugins.load_general_plugins()
+    n, rank = dist.get_world_size(), dist.get_rank()
+    hn, D, Dq, padded = 4, 32, 64, 4 * n + 4
+    config = VllmConfig(parallel_config=ParallelConfig(dcp_comm_backend="a2a"))
+    with set_current_vllm_config(config):
+        ps.init_distributed_environment(world_size=n, rank=rank, local_rank=rank, backend="gloo")
+        ps.initialize_model_parallel(n, 1, 1, n, backend="gloo")
+        try:
+            manager = vdcp.MLADCPManager(config, torch.device("cpu"), hn, Dq, D, torch.bfloat16, torch.bfloat16,
+                                         padded, True, False)
+            outs, lses, seq_lens = _batch(seed, n, n * hn, D, torch.bfloat16)
+            qsl = torch.tensor(QUERY_START_LOC, dtype=torch.int32)
+            y = manager.combine(outs[rank], lses[rank], seq_lens=seq_lens[rank], query_start_loc=qsl)
+            queries = make_queries(seed + 2, n, B, hn, Dq, torch.bfloat16)
+            q = manager.query_gather(queries[rank])
+        finally:
+            ps.destroy_model_parallel()
+    return {"err": max_rel_error(y, _reference(outs, lses, seq_lens, rank, hn)[0]),
+            "exact": torch.equal(q.view(torch.int16), torch.cat(queries, dim=1).view(torch.int16)),
+            "storage_ok": q.is_contiguous() and q.untyped_storage().nbytes() >= B * padded * Dq * 2,
+            "ours": getattr(manager, "_dcp_a2a_comm", None) is not None, "log": records.lines,
+            "vllm": vllm.__file__}

@@ -1,0 +1,24 @@
+"""The plugin inside a real vLLM, where one can be imported (vLLM is not a dependency: not in CI).
+
+vLLM 0.33.0's Python code imports without its compiled ops on a CPU-only machine, given its
+pure-Python dependencies; then ``PYTHONPATH=<unpacked wheel> python -m pytest tests/test_vllm_real.py``."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests import rank_cases as rc
+from tests import vllm_cases as vc
+from tests.conftest import fresh_seed
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM importable here")
+
+
+def test_plugin_in_a_real_vllm(worlds):
+    res = worlds(2).run(vc.real_vllm_layer, fresh_seed())
+    for r in res:
+        assert r["ours"] and r["exact"] and r["storage_ok"], r
+        assert r["err"] <= rc.TOL[torch.bfloat16], r
+    assert any("MLADCPManager patched" in line for line in res[0]["log"]), res[0]["log"]
+    print(f"real vLLM at {res[0]['vllm']}: combine errors {[round(r['err'], 4) for r in res]}")
