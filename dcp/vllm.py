@@ -132,6 +132,10 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
     storage is ``[H/N, B, D]`` (returned as its ``[B, H/N, D]`` view). ``ctx`` and unknown keywords
     (other lineages' options) are ignored, the latter logged once.
     """
+    if isinstance(seq_lens, bool) and (query_start_loc is None or type(query_start_loc) is int):
+        # The older lineage's 7th and 8th positions (use_b12x, b12x_max_batch_size), never metadata.
+        unknown = dict(unknown, use_b12x=seq_lens, b12x_max_batch_size=query_start_loc)
+        seq_lens = query_start_loc = None
     if unknown:
         _note_ignored(unknown)
     if cp_group is None:
@@ -182,10 +186,13 @@ def fallback_combine(original: Callable) -> Callable:
     """``dcp_a2a_lse_reduce`` where this package serves the call's geometry, else ``original``
     (vLLM's own, called exactly as it was). Positions past the sixth, which lineages name
     differently (``seq_lens`` here, ``use_b12x`` in ``dcp_alltoall.py``), pass by ``original``'s names."""
-    names = list(inspect.signature(original).parameters)[2:]
+    try:
+        names = list(inspect.signature(original).parameters)[2:]
+    except (TypeError, ValueError):  # not introspectable: positions pass as they come
+        names = []
 
     def combine(cp_attn_out, cp_attn_lse, *args, **kwargs):
-        if len(args) > 4:
+        if len(args) > 4 and len(names) >= len(args):
             kwargs.update(zip(names, args))
             args = ()
         group = args[0] if args else kwargs.get("cp_group", kwargs.get("kvp_group"))

@@ -107,14 +107,16 @@ def _patch_manager(module) -> None:
         # For a call unlike the declared geometry (a backend's output dtype may differ): vLLM's own.
         own = getattr(module.__dict__.get("dcp_a2a_lse_reduce"), "__wrapped__", None)
         fallback = own and functools.partial(own, cp_group=self.group, is_lse_base_on_e=base_e)
+        _note_no_fallback("combine", fallback)
         return functools.partial(_combine, comm, base_e, fallback)
 
     def _init_query_gather(self, *args, **kwargs):
         comm = _manager_comm(self)
         if comm is None or not self._dcp_a2a_serves_query:
             return originals["_init_query_gather"](self, *args, **kwargs)
-        return functools.partial(_gather, comm, self._dcp_a2a_geometry["padded_num_heads"],
-                                 getattr(self, "_gather_query", None))
+        fallback = getattr(self, "_gather_query", None)
+        _note_no_fallback("query gather", fallback)
+        return functools.partial(_gather, comm, self._dcp_a2a_geometry["padded_num_heads"], fallback)
 
     for name, fn in (("__init__", __init__), ("_init_combine", _init_combine),
                      ("_init_query_gather", _init_query_gather)):
@@ -169,6 +171,13 @@ def _log_once(key, why, query_why, comm) -> None:
     log.info("dcp_a2a: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend, max_tokens %d); query gather "
              "Dq=%d %s %s", world, heads, d, dtype, comm.backend, comm.max_tokens, dq, qdtype,
              "on dcp-a2a" if query_why is None else f"kept on vLLM's own ({query_why})")
+
+
+def _note_no_fallback(what: str, fallback) -> None:
+    if fallback is None and ("no fallback", what) not in _logged:
+        _logged.add(("no fallback", what))
+        log.warning("dcp_a2a: vLLM's own %s was not found: a %s unlike the layer's declared dtype or shape "
+                    "will raise", what, what)
 
 
 def _unlike(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, fallback) -> bool:

@@ -21,4 +21,5 @@ def test_plugin_in_a_real_vllm(worlds):
         assert r["ours"] and r["exact"] and r["storage_ok"], r
         assert r["err"] <= rc.TOL[torch.bfloat16], r
     assert any("MLADCPManager patched" in line for line in res[0]["log"]), res[0]["log"]
+    assert not any("vLLM's own serves" in line for r in res for line in r["log"]), res  # none went to vLLM's
     print(f"real vLLM at {res[0]['vllm']}: combine errors {[round(r['err'], 4) for r in res]}")

@@ -217,6 +217,9 @@ def legacy_lineage(state, seed: int, enabled: bool) -> dict:
         assert torch.equal(torch.isneginf(yl), torch.isneginf(ref_lse))
     y = flashmla.dcp_a2a_lse_reduce(outs[rank], lses[rank], get_dcp_group(), None, False, True, True)  # use_b12x
     worst = max(worst, max_rel_error(y, ref))
+    # The drop-in itself, called as that lineage calls its function (options in positions 7 and 8).
+    y = dropin.dcp_a2a_lse_reduce(outs[rank], lses[rank], get_dcp_group(), None, False, True, False, 64)
+    worst = max(worst, max_rel_error(y, ref))
     assert worst <= TOL[torch.bfloat16], worst
     result = {"err": worst, "vllm_calls": dict(vllm.CALLS), "log": lines,
               "rebound": [getattr(m.dcp_a2a_lse_reduce, "_dcp_a2a", False) for m in (common, flashmla)]}
