@@ -31,6 +31,29 @@ MAX_TIMEOUT_S = 86400.0
 _INT_ARGS = ("max_tokens", "num_heads", "head_dim", "channels", "query_dim")
 
 
+def combine_geometry_error(world: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
+    """Why a combine of this geometry cannot be served (None: it can)."""
+    if num_heads <= 0 or num_heads % world:
+        return f"num_heads must be a positive multiple of the group size {world}; got {num_heads}"
+    if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim must be a positive multiple of 8 up to {MAX_HEAD_DIM}; got {head_dim}"
+    if dtype not in OUT_DTYPES:
+        return f"dtype must be torch.float16, torch.bfloat16 or torch.float32; got {dtype}"
+    return None
+
+
+def query_geometry_error(query_dim: int, query_dtype: torch.dtype) -> Optional[str]:
+    """Why a query all-gather of this geometry cannot be served (None: it can)."""
+    if query_dtype not in QUERY_DTYPES:
+        return f"query_dtype must be one of {', '.join(map(str, QUERY_DTYPES))}; got {query_dtype}"
+    fp8 = query_dtype.itemsize == 1
+    if query_dim <= 0 or query_dim % (16 if fp8 else 8) or query_dim > MAX_HEAD_DIM:
+        return (f"query_dim must be a positive multiple of {16 if fp8 else 8} up to {MAX_HEAD_DIM}"
+                + (" for fp8 queries (rows move as 16-byte aligned 16-bit words)" if fp8 else "")
+                + f"; got {query_dim}")
+    return None
+
+
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
@@ -230,25 +253,19 @@ class DcpAllToAll:
         return f"{socket.gethostname()}/cpu"
 
     def _local_error(self, backend: str) -> Optional[str]:
-        n, h, d = self.world, self.num_heads, self.head_dim
+        n = self.world
         if n < 2:
             return f"the group has {n} rank(s); a DCP group needs at least 2"
         if backend not in BACKENDS:
             return f"backend must be one of {BACKENDS}; got {backend!r}"
-        if h <= 0 or h % n:
-            return f"num_heads must be a positive multiple of the group size {n}; got {h}"
-        if d <= 0 or d % 8 or d > MAX_HEAD_DIM:
-            return f"head_dim must be a positive multiple of 8 up to {MAX_HEAD_DIM}; got {d}"
+        error = combine_geometry_error(n, self.num_heads, self.head_dim, self.dtype)
+        if error:
+            return error
         if self.max_tokens <= 0:
             return f"max_tokens must be a positive integer; got {self.max_tokens}"
-        if self.dtype not in OUT_DTYPES:
-            return f"dtype must be torch.float16, torch.bfloat16 or torch.float32; got {self.dtype}"
-        if self.query_dtype not in QUERY_DTYPES:
-            return f"query_dtype must be one of {', '.join(map(str, QUERY_DTYPES))}; got {self.query_dtype}"
-        q, fp8 = self.query_dim, self.query_dtype.itemsize == 1
-        if q <= 0 or q % (16 if fp8 else 8) or q > MAX_HEAD_DIM:
-            return (f"query_dim must be a positive multiple of {16 if fp8 else 8} up to {MAX_HEAD_DIM}"
-                    + (" for fp8 queries (rows move as 16-byte aligned 16-bit words)" if fp8 else "") + f"; got {q}")
+        error = query_geometry_error(self.query_dim, self.query_dtype)
+        if error:
+            return error
         if self.channels < 1:
             return f"channels must be a positive integer; got {self.channels}"
         if self.max_programs is not None and (type(self.max_programs) is not int or self.max_programs < 1):

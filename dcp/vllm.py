@@ -16,13 +16,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from dcp.comm import DcpAllToAll, MAX_HEAD_DIM, OUT_DTYPES, QUERY_DTYPES
+from dcp.comm import DcpAllToAll, combine_geometry_error
 from dcp.errors import DcpError
 
 log = logging.getLogger("dcp")
 
 DEFAULT_MAX_TOKENS = 256
-_comms: dict = {}
+_comms: dict = {}  # its whole geometry -> (group, communicator): every communicator built here
+_by_call: dict = {}  # (group id, kind, heads, row width, dtype, device) -> a communicator serving that call
 _ignored: set = set()
 
 
@@ -55,26 +56,6 @@ def group_parts(cp_group: Any) -> tuple:
     return group, size
 
 
-def servable(world: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
-    """Why a combine of this geometry is not served here (None: it is), the same on every rank."""
-    if dtype not in OUT_DTYPES:
-        return f"output dtype {dtype}"
-    if num_heads % world:
-        return f"{num_heads} heads over {world} ranks"
-    if head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM:
-        return f"head dim {head_dim}"
-    return None
-
-
-def query_servable(query_dim: int, query_dtype: torch.dtype) -> Optional[str]:
-    """Why a query gather of this geometry is not served here (None: it is)."""
-    if query_dtype not in QUERY_DTYPES:
-        return f"query dtype {query_dtype}"
-    if query_dim % (16 if query_dtype.itemsize == 1 else 8) or not 0 < query_dim <= MAX_HEAD_DIM:
-        return f"query dim {query_dim} of {query_dtype}"
-    return None
-
-
 def communicator(cp_group: Any, num_heads: int, head_dim: int, dtype: torch.dtype,
                  device: Optional[Union[torch.device, str]] = None, *, query_dim: Optional[int] = None,
                  query_dtype: Optional[torch.dtype] = None, max_tokens: Optional[int] = None) -> DcpAllToAll:
@@ -92,6 +73,8 @@ def communicator(cp_group: Any, num_heads: int, head_dim: int, dtype: torch.dtyp
                            head_dim=head_dim, dtype=dtype, device=device, query_dim=query_dim,
                            query_dtype=query_dtype)
         _comms[key] = (group, comm)  # the group is kept alive with its id in the key
+        _by_call.setdefault((id(group), "combine", num_heads, head_dim, dtype, device), comm)
+        _by_call.setdefault((id(group), "gather", num_heads, key[4], key[5], device), comm)
     return _comms[key][1]
 
 
@@ -100,10 +83,10 @@ warmup = communicator  # the name earlier releases documented
 
 def _cached(group, num_heads, head_dim, dtype, device, query: Optional[tuple] = None) -> DcpAllToAll:
     """The communicator of a call: one that serves its geometry (any query geometry for a combine)."""
-    for (gid, h, d, dt, qd, qdt, dev), (_, comm) in _comms.items():
-        if (gid == id(group) and h == num_heads and dev == device
-                and ((d, dt) == (head_dim, dtype) if query is None else (qd, qdt) == query)):
-            return comm
+    comm = _by_call.get((id(group), "combine", num_heads, head_dim, dtype, device) if query is None
+                        else (id(group), "gather", num_heads, *query, device))
+    if comm is not None:
+        return comm
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise DcpError("dcp.vllm: no communicator for this geometry yet, and the stream is capturing a CUDA "
                        "graph: call dcp.vllm.communicator(...) on every rank before capture")
@@ -198,7 +181,8 @@ def fallback_combine(original: Callable) -> Callable:
         group = args[0] if args else kwargs.get("cp_group", kwargs.get("kvp_group"))
         world = group_parts(group)[1] if group is not None else 0
         if (world == 1 or world and isinstance(cp_attn_out, torch.Tensor) and cp_attn_out.dim() == 3
-                and servable(world, cp_attn_out.shape[1], cp_attn_out.shape[2], cp_attn_out.dtype) is None):
+                and combine_geometry_error(world, cp_attn_out.shape[1], cp_attn_out.shape[2],
+                                           cp_attn_out.dtype) is None):
             return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
         return original(cp_attn_out, cp_attn_lse, *args, **kwargs)
 
@@ -209,6 +193,7 @@ def fallback_combine(original: Callable) -> Callable:
 
 def close_all() -> None:
     """Collective: close every cached communicator (drop captured graphs first)."""
+    _by_call.clear()
     while _comms:
         _, (_, comm) = _comms.popitem()
         comm.close()

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from dcp import vllm as dropin
-from dcp.comm import DcpAllToAll
+from dcp.comm import DcpAllToAll, combine_geometry_error, query_geometry_error
 
 # A child of vLLM's logger, so that its lines appear in vLLM's log.
 log = logging.getLogger("vllm.dcp_a2a")
@@ -141,8 +141,9 @@ def _manager_comm(manager) -> Optional[DcpAllToAll]:
     g, group = manager._dcp_a2a_geometry, manager.group
     world = dropin.group_parts(group)[1]
     heads = g["num_heads"] * world
-    why = "a group of one" if world == 1 else dropin.servable(world, heads, g["output_head_dim"], g["output_dtype"])
-    query_why = dropin.query_servable(g["query_head_dim"], g["query_dtype"])
+    why = "a group of one" if world == 1 else combine_geometry_error(world, heads, g["output_head_dim"],
+                                                                     g["output_dtype"])
+    query_why = query_geometry_error(g["query_head_dim"], g["query_dtype"])
     comm = None
     if why is None:
         tokens = dropin.max_tokens_from_env() if os.environ.get("DCP_A2A_MAX_TOKENS") else (
