@@ -142,7 +142,7 @@ def _load_tile(po, lse, t, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, 
     vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :],
                    mask=m2[:, :, None] & cmask[None, None, :])
     lv = tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
-    if num_seqs >= 0:
+    if (num_seqs >= 0) & (t * BLOCK_R < n_rows):  # (not for the prefetch past the last tile)
         empty = _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, BLOCK_R)
         lv = tl.where(empty[None, :], float("-inf"), lv)
     return vals, lv
