@@ -31,6 +31,26 @@ _data_ptr = torch.Tensor.data_ptr
 _INTERPRETER = threading.Lock()
 
 
+def compile_options(warps: int, pdl: bool = False) -> dict:
+    """Triton's options for a kernel of ``warps`` warps. ``maxnreg``: without a register limit
+    ptxas aimed some variants at 40 registers and spilled (docs/design.md, section 5.3); this one
+    still lets one program fill an SM. FP fusion is stated, not left to a default that changes
+    with the Triton version."""
+    return dict(num_warps=warps, launch_pdl=pdl, maxnreg=min(255, 65536 // (32 * warps)), enable_fp_fusion=True)
+
+
+def fused_variants(layouts: dict, region: ChannelRegion, gpu_scope: bool, trace: bool, pdl: bool) -> dict:
+    """(kind, warps) -> (constexprs, options) of every fused-kernel tiling a communicator loads
+    (``layouts``: kind -> ChannelLayout on ``region``); ``pdl``: where the GPU has it."""
+    variants = {}
+    for kind, layout in layouts.items():
+        for w in layout.tilings:
+            early = pdl and layout.launches_early(w)
+            variants[kind, w] = (dict(region.constexprs(layout, w), GPU_SCOPE=gpu_scope, TRACE=trace, PDL=early),
+                                 compile_options(w, early))
+    return variants
+
+
 def no_metadata(device: torch.device) -> tuple:
     """The launch arguments of a call without vLLM's batch metadata: (seq_lens, query_start_loc,
     num_seqs = -1, their strides, first token); the pointers are never read."""
@@ -114,13 +134,10 @@ class TritonTransport:
         # (kind, warps) -> its launcher; by kind, by call size (index B - 1 for B = 1 to max_tokens):
         # its tiling's launcher and its grid, at most ``max_programs`` (all of them resident at once)
         # and never more than tiles.
-        self.fused, self.plan = {}, {}
+        self.fused = {key: _Launcher(kernel, device, constexprs, options) for key, (constexprs, options)
+                      in fused_variants(layouts, region, gpu_scope, trace, pdl).items()}
+        self.plan = {}
         for kind, layout in layouts.items():
-            for w in layout.tilings:
-                early = pdl and layout.launches_early(w)
-                self.fused[kind, w] = _Launcher(kernel, device, dict(region.constexprs(layout, w), GPU_SCOPE=gpu_scope,
-                                                                     TRACE=trace, PDL=early),
-                                                dict(num_warps=w, launch_pdl=early))
             self.plan[kind] = [(self.fused[kind, w], min(layout.tiles(n, w), max_programs, EPOCH_STRIDE))
                                for n, w in enumerate(layout.warps_by_size, 1)]
         self.tilings = tuple(self.fused)  # (kind, warps) pairs
@@ -237,8 +254,8 @@ class NcclTransport:
         # (gloo has no int16).
         self.plan = [(max(1, layout.tiles(n, warps)), layout.world * n * layout.heads_per_rank * layout.row_elems // 2)
                      for n in range(layout.max_tokens + 1)]
-        self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), dict(num_warps=warps))
-        self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), dict(num_warps=warps))
+        self.pack = _Launcher(kernels.pack, device, layout.tile_constexprs(warps), compile_options(warps))
+        self.combine = _Launcher(kernels.combine, device, layout.tile_constexprs(warps), compile_options(warps))
         words = max(self.plan[-1][1], gl.world * gl.rows_max * gl.head_dim // 2)
         self.send = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]
         self.recv = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(channels)]

@@ -59,6 +59,17 @@ class ChannelLayout:
         return _next_pow2(self.head_dim)
 
     @cached_property
+    def chunk_words(self) -> int:
+        """Width of a tile's column block. A combine row is one block of ``padded_dim`` columns (its
+        weights are per row); a query row is ``head_dim / chunk_words`` chunks, the largest power of
+        two dividing it up to 64 words, so no column is padding (docs/design.md, section 5.3)."""
+        return min(64, self.head_dim & -self.head_dim) if not self.lse else self.padded_dim
+
+    @cached_property
+    def chunks(self) -> int:  # a tile's units per row: 1 for the combine
+        return self.head_dim // self.chunk_words if not self.lse else 1
+
+    @cached_property
     def row_elems(self) -> int:  # 16-bit words: the values (+ fp32 LSE as two lanes), padded to 16 bytes
         return _align(self.lse_offset + (2 if self.lse else 0), 8)
 
@@ -75,7 +86,11 @@ class ChannelLayout:
         return _next_pow2(self.world)
 
     def rows_per_tile(self, warps: int) -> int:
-        """Rows of a tile under ``warps`` per program: [peers, rows, D] blocks of 4 KiB a warp."""
+        """Units of a tile under ``warps`` per program (rows of the combine, ``chunk_words``-word
+        chunks of the gather): [peers, units, columns] blocks of 4 KiB a warp."""
+        if not self.lse:  # one [units, columns] block, stored to each peer: at most 2 KiB a warp
+            return max(1, min(64 * self.chunks, 2048 * warps // (max(4, self.padded_peers) * self.chunk_words),
+                              _next_pow2(self.rows_max * self.chunks)))
         return max(1, min(64, 2048 * warps // (self.padded_peers * self.padded_dim * self.value_words),
                           _next_pow2(self.rows_max)))
 
@@ -107,7 +122,7 @@ class ChannelLayout:
 
     def tiles(self, n_tokens: int, warps: int) -> int:
         """Tiles of a call of ``n_tokens`` under the tiling of ``warps``."""
-        return -(-n_tokens * self.heads_per_rank // self.rows_per_tile(warps))
+        return -(-n_tokens * self.heads_per_rank * self.chunks // self.rows_per_tile(warps))
 
     @cached_property
     def tiles_max(self) -> int:  # the most tiles a launch can have: they size the flags
@@ -154,7 +169,8 @@ class ChannelRegion:
 
     def constexprs(self, layout: ChannelLayout, warps: int) -> dict:
         """The fused kernel's geometry for one collective's tiling on this region."""
-        return dict(layout.tile_constexprs(warps), ROWS_MAX=layout.rows_max, TILES_MAX=self.tiles_max,
+        return dict(layout.tile_constexprs(warps), CW=layout.chunk_words, CHUNKS=layout.chunks,
+                    ROWS_MAX=layout.rows_max, TILES_MAX=self.tiles_max,
                     FLAG_OFF=self.flag_offset, RECV_OFF=self.recv_offset, SLOT=self.slot_elems,
                     GATHER=not layout.lse)
 

@@ -164,36 +164,47 @@ def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N: tl.constexpr,
     tl.store((drow + LSE_OFF).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
 
 
-def _load_rows(q, t, n_rows, c_off, cmask, s_q_b, s_q_h, HN: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Tile t of this rank's own rows as 16-bit words [BLOCK_R, DP]: the query gather sends the
-    same rows to every peer."""
-    rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
-    return tl.load(q + tok[:, None] * s_q_b + hh[:, None] * s_q_h + c_off[None, :],
-                   mask=rmask[:, None] & cmask[None, :])
+def _chunk_units(t, n_units, HN: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tile t of the gather: BLOCK_R chunks of the flattened [B * HN * CHUNKS] space, their mask,
+    token, head within the chunk, and place within the row."""
+    u = t * BLOCK_R + tl.arange(0, BLOCK_R)
+    row = u // CHUNKS
+    return u.to(tl.int64), u < n_units, (row // HN).to(tl.int64), row % HN, u % CHUNKS
 
 
-def _store_rows(dst16, t, vals, n_rows, peer, c_off, cmask, N: tl.constexpr, NP: tl.constexpr,
-                BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr):
-    """Store one tile of rows at its rows of every peer's destination ``dst16[peer]``."""
-    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
-    m2 = (peer < N)[:, None] & (rows < n_rows)[None, :]
-    drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
-    tl.store(drow[:, :, None] + c_off[None, None, :], tl.broadcast_to(vals[None, :, :], (NP, BLOCK_R, DP)),
-             mask=m2[:, :, None] & cmask[None, None, :])
+def _load_chunks(q, t, n_units, c_off, s_q_b, s_q_h, HN: tl.constexpr, CHUNKS: tl.constexpr, CW: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """Tile t of this rank's own query rows as 16-bit words [BLOCK_R, CW]: the gather sends the same
+    chunks to every peer."""
+    u, umask, tok, hh, part = _chunk_units(t, n_units, HN, CHUNKS, BLOCK_R)
+    return tl.load(q + tok[:, None] * s_q_b + hh[:, None] * s_q_h + (part * CW)[:, None] + c_off[None, :],
+                   mask=umask[:, None])
 
 
-def _copy_rows(src16, row0, src_stride, y, tok, hh, s_y_b, s_y_h, rmask, c_off, cmask, ok,
-               N: tl.constexpr, HN: tl.constexpr, ROW: tl.constexpr):
+def _store_chunks(ctl, to_slot, t, vals, n_units, c_off, N: tl.constexpr, CW: tl.constexpr, BLOCK_R: tl.constexpr,
+                  RECV_OFF: tl.constexpr):
+    """Store one tile of chunks at its place in every peer's receive slot (``to_slot``: this rank's
+    rows there, in 16-bit words past RECV_OFF), peer by peer from the same registers: no padding
+    peers. Gather rows are whole 16-byte vectors, so chunk u sits at word u * CW of the rows."""
+    u = t * BLOCK_R + tl.arange(0, BLOCK_R)
+    off = u.to(tl.int64)[:, None] * CW + c_off[None, :]
+    for s in tl.static_range(N):
+        dst = tl.multiple_of(tl.load(ctl + s).to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + to_slot)
+        tl.store(dst + off, vals, mask=(u < n_units)[:, None])
+
+
+def _copy_chunks(src16, t, n_units, src_stride, y, s_y_b, s_y_h, c_off, ok, N: tl.constexpr, HN: tl.constexpr,
+                 CHUNKS: tl.constexpr, CW: tl.constexpr, BLOCK_R: tl.constexpr):
     """The gather's finish: source s's rows land at heads [s * HN, (s + 1) * HN) of the output,
     bit for bit; where the call failed (``ok`` false), all-ones words (NaN in every float type)."""
-    omask = rmask[:, None] & cmask[None, :]
+    u, umask, tok, hh, part = _chunk_units(t, n_units, HN, CHUNKS, BLOCK_R)
+    omask = umask[:, None]
     for s in tl.static_range(N):
-        dst = y + tok[:, None] * s_y_b + (s * HN + hh)[:, None] * s_y_h + c_off[None, :]
+        dst = y + tok[:, None] * s_y_b + (s * HN + hh)[:, None] * s_y_h + (part * CW)[:, None] + c_off[None, :]
         if ok:
-            tl.store(dst, tl.load(src16 + (row0 + s * src_stride)[:, None] * ROW + c_off[None, :], mask=omask),
-                     mask=omask)
+            tl.store(dst, tl.load(src16 + s * src_stride + u[:, None] * CW + c_off[None, :], mask=omask), mask=omask)
         else:
-            tl.store(dst, tl.full(omask.shape, -1, tl.int16), mask=omask)
+            tl.store(dst, tl.full([BLOCK_R, CW], -1, tl.int16), mask=omask)
 
 
 def _load_lse(src32, row, rmask, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
@@ -287,8 +298,8 @@ def lse_alltoall_kernel(
     s_po_b, s_po_h, s_lse_b, s_lse_h, s_y_b, s_y_h, s_yl_b, s_yl_h,
     write_lse, log2_scale, tok0, num_seqs, s_sl, s_qsl,
     N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr,
-    FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, SLOT: tl.constexpr, GATHER: tl.constexpr,
+    ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, CW: tl.constexpr, CHUNKS: tl.constexpr,
+    ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr, FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, SLOT: tl.constexpr, GATHER: tl.constexpr,
     ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr, TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One launch of a call: ``n_tokens`` tokens of this launch, ``call_tag`` the call's tag (its
@@ -309,8 +320,6 @@ def lse_alltoall_kernel(
     if call_tag != _TAG_LOAD:
         s_po_b, s_po_h, s_y_b, s_y_h = _scale_strides(s_po_b, s_po_h, s_y_b, s_y_h, ALIGNED)
         local = tl.load(ctl + rank)  # ctl is written once, at construction
-        status = tl.load(ctl + _CTL_STATUS).to(tl.pointer_type(tl.int32))
-        timeout = tl.load(ctl + _CTL_TIMEOUT)
         state = local.to(tl.pointer_type(tl.int32))
         if PDL:
             # Launched early (programmatic dependent launch): from here on, everything the
@@ -324,11 +333,11 @@ def lse_alltoall_kernel(
         poisoned = (tl.load(state + 1, volatile=True) != 0) | (call_tag == _TAG_POISONED)
         tag = tl.where(poisoned, _TAG_POISONED, call_tag)
         want = (tag.to(tl.int64) << 32) | e.to(tl.int64)
-        n_rows = n_tokens * HN
+        n_rows = n_tokens * HN * CHUNKS  # a tile's units: rows, or the gather's chunks of rows
         n_push = tl.where(poisoned, 0, n_rows)
         # Tile 0 always exists, even without rows: every call announces itself to every peer.
         n_tiles = tl.maximum((n_rows + BLOCK_R - 1) // BLOCK_R, 1)
-        c_off = tl.arange(0, DP)
+        c_off = tl.arange(0, CW)
         cmask = c_off < D
         peer = tl.arange(0, NP)
         # Padding peers alias the last real one: only flag words (same value, same address) use
@@ -338,17 +347,19 @@ def lse_alltoall_kernel(
         # Push: pack each tile for every destination straight into its receive slot; then one
         # fence for all of them and a relaxed flag per tile and destination (the release pattern,
         # paid once per program, not per tile or per peer).
-        dst16 = (tl.multiple_of((bases + RECV_OFF).to(tl.pointer_type(tl.int16)), 16)
-                 + slot.to(tl.int64) * SLOT + rank.to(tl.int64) * (ROWS_MAX * ROW))
+        # (The alignment hint goes on the converted base itself: Triton 3.8 rewrites a converted
+        # sum into an offset from the converted base and drops a hint placed on the sum.)
+        to_slot = slot.to(tl.int64) * SLOT + rank.to(tl.int64) * (ROWS_MAX * ROW)
+        dst16 = tl.multiple_of(bases.to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + to_slot)
         dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int64)) + (slot * N + rank) * TILES_MAX
         # Tiles pid, pid + G, ... (a while: the interpreter's range needs ints), each loaded one
         # step ahead so that a load is in flight while the previous tile is stored.
         t = pid
         if GATHER:
-            vals = _load_rows(po, t, n_push, c_off, cmask, s_po_b, s_po_h, HN, BLOCK_R)
+            vals = _load_chunks(po, t, n_push, c_off, s_po_b, s_po_h, HN, CHUNKS, CW, BLOCK_R)
             while t * BLOCK_R < n_push:
-                nvals = _load_rows(po, t + G, n_push, c_off, cmask, s_po_b, s_po_h, HN, BLOCK_R)
-                _store_rows(dst16, t, vals, n_push, peer, c_off, cmask, N, NP, BLOCK_R, DP, ROW)
+                nvals = _load_chunks(po, t + G, n_push, c_off, s_po_b, s_po_h, HN, CHUNKS, CW, BLOCK_R)
+                _store_chunks(ctl, to_slot, t, vals, n_push, c_off, N, CW, BLOCK_R, RECV_OFF)
                 vals = nvals
                 t += G
         else:
@@ -374,7 +385,9 @@ def lse_alltoall_kernel(
         # is good only if every flag also carries this call's tag.
         flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int64)) + slot * N * TILES_MAX
         code = tl.where(poisoned, _MISMATCH, 0)  # > 0 once a tile failed: its rows are then NaN
-        timeout = tl.where(poisoned, 0, timeout).to(tl.int64)
+        # (read here, not with ``local``: kept live across the push they cost a register spill)
+        status = tl.load(ctl + _CTL_STATUS).to(tl.pointer_type(tl.int32))
+        timeout = tl.where(poisoned, 0, tl.load(ctl + _CTL_TIMEOUT)).to(tl.int64)
         t = pid
         while t < n_tiles:
             # Once a program of this call has given up, the others give up at once too.
@@ -427,14 +440,14 @@ def lse_alltoall_kernel(
             gdc_launch_dependents()
 
         # Finish every tile of this program from local memory: combine, or copy out (gather).
-        recv16 = tl.multiple_of((local + RECV_OFF).to(tl.pointer_type(tl.int16)), 16) + slot.to(tl.int64) * SLOT
+        recv16 = tl.multiple_of(local.to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + slot.to(tl.int64) * SLOT)
         t = pid
         while t * BLOCK_R < n_rows:
-            rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
             if GATHER:
-                _copy_rows(recv16, rows.to(tl.int64), ROWS_MAX, y, tok, hh, s_y_b, s_y_h, rmask, c_off, cmask,
-                           code < 0, N, HN, ROW)
+                _copy_chunks(recv16, t, n_rows, ROWS_MAX * ROW, y, s_y_b, s_y_h, c_off, code < 0, N, HN, CHUNKS, CW,
+                             BLOCK_R)
             else:
+                rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
                 y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
                 yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
                 _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX, y_ptrs, yl_ptrs, rmask, c_off, cmask,
@@ -574,8 +587,8 @@ def _call_failed_cpu(status, e):
 
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
-_SHARED_HELPERS = (_tile_rows, _empty_rows, _load_tile, _store_tile, _load_rows, _store_rows, _copy_rows,
-                   _load_lse, _round_to, _combine_rows, _finish_combine, _stamp, _scale_strides, _record_failure)
+_SHARED_HELPERS = (_tile_rows, _empty_rows, _load_tile, _store_tile, _chunk_units, _load_chunks, _store_chunks,
+                   _copy_chunks, _load_lse, _round_to, _combine_rows, _finish_combine, _stamp, _scale_strides, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse", "tok0", "num_seqs", "s_sl", "s_qsl"]
 _built: dict = {}
