@@ -1,0 +1,160 @@
+"""``python -m dcp.doctor``: what to run on a machine before switching the backend on.
+
+It prints the versions that matter (torch, Triton, CUDA, NCCL) against those this package is tested
+with, the GPUs with their compute capability and which pairs have peer access, then compiles every
+kernel variant a communicator of the given geometry would load, for this machine's GPU or for the
+architectures named with ``--arch``, and judges each: 16-byte vector rows, spills, registers,
+shared memory. It exits 1 when a verdict is bad, 0 otherwise.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import triton
+
+from dcp.compiled import ARCHES, hot_variants, judge
+
+# The releases this package is tested with (pyproject.toml declares the same ranges): the GPU
+# tier on torch 2.11 + Triton 3.6; the CPU tier on torch 2.13 + Triton 3.6 and torch 2.14 + Triton
+# 3.8; the compiled-code checks under Triton 3.6, 3.8 and 3.9.
+TESTED = {"torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 9))}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+QUERY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+def _release(version: str) -> tuple:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+
+
+def versions() -> dict:
+    """Versions as this process sees them; None where there is none (a CPU build has no CUDA)."""
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # a build without NCCL
+            nccl = None
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda, "nccl": nccl,
+            "python": sys.version.split()[0]}
+
+
+def untested(found: dict) -> list:
+    """Lines naming each of torch and Triton outside the tested range."""
+    lines = []
+    for name, (low, high) in TESTED.items():
+        if not low <= _release(found[name]) <= high:
+            lines.append(f"{name} {found[name]} is outside the tested range "
+                         f"{'.'.join(map(str, low))}-{'.'.join(map(str, high))}")
+    return lines
+
+
+def gpus() -> list:
+    """Every visible GPU: name, compute capability, SMs, and the GPUs it has peer access to."""
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    n = torch.cuda.device_count()
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        found.append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
+                      "peers": [j for j in range(n) if j != i and torch.cuda.can_device_access_peer(i, j)]})
+    return found
+
+
+def _parse(argv: Optional[list]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m dcp.doctor", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Defaults: a vLLM MLA layer (16 heads per rank, D = 512 bf16, Dq = 576 bf16) "
+                                        "on a group of every GPU here (4 without GPUs).")
+    ap.add_argument("--world-size", type=int, help="ranks in the DCP group (2-8)")
+    ap.add_argument("--heads-per-rank", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=512, help="D of the combine's partial outputs")
+    ap.add_argument("--query-dim", type=int, default=576, help="Dq of the query all-gather")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the combine's partial outputs")
+    ap.add_argument("--query-dtype", choices=sorted(QUERY_DTYPES), default="bf16")
+    ap.add_argument("--max-tokens", type=int, default=512, help="the communicator's max_tokens (tilings by size)")
+    ap.add_argument("--arch", action="append", choices=sorted(ARCHES, key=ARCHES.get),
+                    help="compile for this architecture instead of this machine's GPU (repeatable)")
+    ap.add_argument("--ptx-dir", type=Path, help="write the PTX of each variant here, one .ptx file each")
+    ap.add_argument("--json", type=Path, help="write the whole report here as JSON")
+    return ap.parse_args(argv)
+
+
+def _geometry_error(a: argparse.Namespace) -> Optional[str]:
+    from dcp.comm import combine_geometry_error, query_geometry_error
+    if not 2 <= a.world_size <= 8:
+        return f"--world-size must be from 2 to 8; got {a.world_size}"
+    if a.heads_per_rank < 1 or a.max_tokens < 1:
+        return "--heads-per-rank and --max-tokens must be positive"
+    return (combine_geometry_error(a.world_size, a.heads_per_rank * a.world_size, a.head_dim, DTYPES[a.dtype])
+            or query_geometry_error(a.query_dim, QUERY_DTYPES[a.query_dtype]))
+
+
+def main(argv: Optional[list] = None) -> int:
+    a = _parse(argv)
+    found, devices = versions(), gpus()
+    a.world_size = a.world_size or (len(devices) if len(devices) >= 2 else 4)
+    error = _geometry_error(a)
+    if error:
+        print(f"dcp.doctor: {error}", file=sys.stderr)
+        return 2
+    report = {"versions": found, "untested": untested(found), "gpus": devices, "geometry": {
+        k: getattr(a, k) for k in ("world_size", "heads_per_rank", "head_dim", "query_dim", "dtype", "query_dtype",
+                                   "max_tokens")}, "verdicts": [], "not_checked": None}
+    print("versions: " + ", ".join(f"{k} {v or '-'}" for k, v in found.items()))
+    for line in report["untested"]:
+        print(f"  warning: {line}")
+    for d in devices:
+        print(f"GPU {d['index']}: {d['name']}, compute capability {d['capability']}, {d['sms']} SMs, "
+              f"peer access to {d['peers'] or 'none'}")
+    if len(devices) > 1:
+        print("peer access (row -> column):\n     " + " ".join(f"{j:>3}" for j in range(len(devices))))
+        for d in devices:
+            print(f"  {d['index']:>2} " + " ".join("  -" if j == d["index"] else ("  Y" if j in d["peers"] else "  N")
+                                                    for j in range(len(devices))))
+    if a.arch:
+        caps, programs, gpu_scope = sorted({ARCHES[x] for x in a.arch}), 132, False
+    elif devices:
+        cc = devices[0]["capability"].split(".")
+        caps = [int(cc[0]) * 10 + int(cc[1])]
+        # one GPU: every rank shares it (scoped to the GPU; its SMs shared out among the ranks)
+        gpu_scope = len(devices) == 1
+        programs = max(1, devices[0]["sms"] // (a.world_size if gpu_scope else 1))
+    else:
+        report["not_checked"] = ("compiled code not checked: no GPU here; name an architecture with --arch "
+                                 "(for example --arch sm_90 --arch sm_120)")
+        print(report["not_checked"])
+        caps = []
+    if caps:
+        variants = hot_variants(a.world_size, a.heads_per_rank, a.head_dim, a.query_dim, DTYPES[a.dtype],
+                                QUERY_DTYPES[a.query_dtype], a.max_tokens, programs, gpu_scope, pdl=True)
+        print(f"kernel variants of N = {a.world_size}, {a.heads_per_rank} heads per rank, D = {a.head_dim} {a.dtype}, "
+              f"Dq = {a.query_dim} {a.query_dtype}, max_tokens {a.max_tokens} (Triton {triton.__version__}):")
+        print(f"  {'arch':<7} {'variant':<22} {'v4 st':>5} {'v4 ld':>5} {'2-byte':>6} {'spill':>5} {'regs':>4} "
+              f"{'smem':>6}  verdict")
+        if a.ptx_dir:
+            a.ptx_dir.mkdir(parents=True, exist_ok=True)
+        for cap in caps:
+            for v in variants:
+                r = judge(v, cap)
+                report["verdicts"].append(r.as_dict())
+                print(f"  {r.arch:<7} {r.variant:<22} {r.vector_stores:>5} {r.vector_loads:>5} {r.scalar_16bit:>6} "
+                      f"{r.spill_bytes:>5} {r.registers:>4} {r.shared_bytes:>6}  {'ok' if r.ok else 'BAD: '}"
+                      f"{'; '.join(r.problems)}")
+                if a.ptx_dir:
+                    (a.ptx_dir / f"{r.arch}-{r.variant.replace(' ', '-')}.ptx").write_text(r.ptx)
+    bad = [r for r in report["verdicts"] if not r["ok"]]
+    if report["verdicts"]:
+        print(f"{len(report['verdicts']) - len(bad)} of {len(report['verdicts'])} variants ok"
+              + ("" if not bad else ": the backend would run slower than it should here"))
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
