@@ -33,7 +33,7 @@ _INTERPRETER = threading.Lock()
 
 def compile_options(warps: int, pdl: bool = False) -> dict:
     """Triton's options for a kernel of ``warps`` warps. ``maxnreg``: without a register limit
-    ptxas aimed some variants at 40 registers and spilled (docs/design.md, section 5.3); this one
+    ptxas aimed some variants at 40 registers and spilled (docs/design.md, section 5.9); this one
     still lets one program fill an SM. FP fusion is stated, not left to a default that changes
     with the Triton version."""
     return dict(num_warps=warps, launch_pdl=pdl, maxnreg=min(255, 65536 // (32 * warps)), enable_fp_fusion=True)

@@ -62,7 +62,7 @@ class ChannelLayout:
     def chunk_words(self) -> int:
         """Width of a tile's column block. A combine row is one block of ``padded_dim`` columns (its
         weights are per row); a query row is ``head_dim / chunk_words`` chunks, the largest power of
-        two dividing it up to 64 words, so no column is padding (docs/design.md, section 5.3)."""
+        two dividing it up to 64 words, so no column is padding (docs/design.md, section 4)."""
         return min(64, self.head_dim & -self.head_dim) if not self.lse else self.padded_dim
 
     @cached_property
