@@ -154,7 +154,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-class _Help(argparse.HelpFormatter):
+class _Help(argparse.RawDescriptionHelpFormatter):
     """Each option's default after its help, written as it would be typed (``3 6``, not ``[3, 6]``):
     the defaults depend on the machine, so they cannot be written into the help text."""
 
@@ -172,11 +172,33 @@ class _Help(argparse.HelpFormatter):
 MODES = ["eager", "graph", "graph8"]
 
 
+COLUMN_HELP = """columns (a column no row fills is left out; - : no value for that row):
+  N          ranks in the group
+  backend    triton (the fused kernel), nccl (the reference path; gloo where the group runs gloo)
+  op         combine (lse_reduce), gather (all_gather_heads), layer (a gather then a combine)
+  D|Dq       the combine's head dim D, the gather's query dim Dq (a layer: D|Dq)
+  B          tokens per call
+  mode       eager, graph (a CUDA graph of one call), graph8 (a graph of 8 calls)
+  size       bytes, as nccl-tests counts them: what one rank sends (combine), the gathered result
+             (gather), both (layer)
+  med p10 p90  device time per call, the slowest rank's median and percentiles (on the CPU: the
+             interpreter's wall time per call, not a transport's)
+  mark       one clock mark's own time (each step includes one)
+  loop       nccl-tests' time: a second loop's mean, events only at its ends
+  algbw      size / med; busbw: algbw * (N - 1) / N (GPUs only)
+  floor      the bytes every rank must move at this GPU's copy rate; %floor: floor / med
+  host hloop host time per eager call, per timed step and over the second loop (GPUs only)
+  nccl x     the reference path's med at the same point, and its time over this row's (x > 1: faster)
+  held       yes: every timed call was queued behind one sleeping kernel (yes/k: k at a time)
+  err        largest relative error against the float64 reference, checked before timing
+             (bf16 tolerance 1.6e-2; 0: bit-exact, as the gather must be)"""
+
+
 def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
     p = _Parser(prog=command_name(), description=__doc__.split("\n")[0], formatter_class=_Help,
-                epilog="Defaults are this machine's (with a GPU the sweep is larger). Without a GPU the kernels run "
-                       "under Triton's interpreter and the nccl backend over a gloo process group: the times then "
-                       "measure the interpreter, not a transport. Columns: the README's Benchmarks section.")
+                epilog="Defaults are this machine's (with a GPU the sweep is larger). Without a GPU the kernels\n"
+                       "run under Triton's interpreter: the run shows that the real kernels and protocol run and\n"
+                       "are exact, then the GPU results this repository keeps.\n\n" + COLUMN_HELP)
     p.add_argument("--world-size", type=_group_size, nargs="+", metavar="N",
                    default=[gpus] if gpus > 1 else [3, 6],
                    help=f"ranks in the group, a sweep per value; above {MAX_PEERS} only the nccl backend runs")
@@ -195,7 +217,8 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
                    help="query head dimension of the gather (vLLM's MLA: 576)")
     p.add_argument("--query-dtype", choices=["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"],
                    default="bfloat16", help="query dtype of the gather")
-    p.add_argument("--backends", nargs="+", default=["triton", "nccl"], choices=["triton", "nccl"],
+    p.add_argument("--backends", nargs="+", default=["triton", "nccl"] if cuda else ["triton"],
+                   choices=["triton", "nccl"],
                    metavar="BACKEND",
                    help="triton (fused push into peers' buffers) and/or nccl (pack, the process group's "
                         "all-to-all, combine; named gloo where the group runs gloo, as without a GPU)")
@@ -236,10 +259,10 @@ def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
     return runs, notes
 
 
-CPU_BANNER = ("CPU tier (no GPU): the times measure Triton's interpreter running the kernels, not a transport; "
-              "the nccl backend runs over a gloo process group and is named gloo.")
-CPU_NOTE = ("Times of Triton's interpreter on the CPU, not of a transport; gloo: the nccl backend over a gloo "
-            "process group; x compares the two under the interpreter.")
+CPU_BANNER = ("No GPU: the real kernels and protocol run under Triton's interpreter, a process per rank, each "
+              "point checked against a float64 reference (err) before it is timed.")
+CPU_NOTE = ("Every point above matched the reference (err: largest relative error; the gather is a bit-exact copy). "
+            "Its times are the interpreter's, not a transport's: the GPU results follow.")
 
 
 def main(argv=None) -> None:
@@ -250,6 +273,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if not cuda and set(args.modes) != {"eager"}:
         p.error("--modes graph and graph8 need a GPU (they capture CUDA graphs); without one only eager runs")
+    error = geometry_error(args)
+    if error:
+        p.error(error)
     runs, notes = plan(args.world_size, args.backends, cuda, gpus)
     if not any(run for *_, run in runs):
         p.error("nothing to run: " + "; ".join(notes))
@@ -320,6 +346,51 @@ def main(argv=None) -> None:
     print(format_table(rows))
     if not cuda:
         print(CPU_NOTE)
+        print()
+        print(kept_results())
+
+
+def geometry_error(args: argparse.Namespace):
+    """The communicator's own rules, applied before any rank is spawned (None: every point fits)."""
+    from dcp.comm import combine_geometry_error, query_geometry_error
+
+    for d in args.head_dim:
+        error = combine_geometry_error(2, 2 * args.heads_per_rank, d, getattr(torch, args.dtype))
+        if error:
+            return "--head-dim: " + error.replace("head_dim ", "", 1)
+    if set(args.op) & {"gather", "layer"}:
+        error = query_geometry_error(args.query_dim, getattr(torch, args.query_dtype))
+        if error:
+            return "--query-dim: " + error.replace("query_dim ", "", 1)
+    return None
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results")
+
+
+def kept_results(folder: str = RESULTS) -> str:
+    """The GPU results this checkout keeps (each folder's last run, its graph-of-8 rows), with
+    machine, commit and versions; a line saying where they are when this is an installed copy."""
+    if not os.path.isdir(folder):
+        return ("GPU results: not in this installation; the repository keeps them in docs/results/ "
+                "(one folder per machine kind)")
+    from .plot import machine
+
+    parts = []
+    for kind in sorted(os.listdir(folder)):
+        path = os.path.join(folder, kind, "results.json")
+        if not os.path.exists(path):
+            continue
+        run = json.load(open(path))[-1]
+        keys = {key for *_, key, _ in COLUMNS}  # (rows of older runs lack some columns)
+        prov = run["provenance"]
+        rows = [{**dict.fromkeys(keys), "op": "combine", "query_dim": r["head_dim"], **r} for r in run["rows"]
+                if r["mode"] == "graph8"]
+        if rows:
+            parts.append(f"docs/results/{kind}: {machine(prov, rows)}, commit {prov['git_commit']}, torch "
+                         f"{prov['torch']}, triton {prov['triton']}, {prov['date'][:10]} (graph8 rows):\n"
+                         + format_table(rows))
+    return "\n\n".join(parts) or f"GPU results: none in {folder}"
 
 
 def rank_failure(exc: RankError) -> str:
@@ -386,7 +457,8 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
          op="combine", query_dim=0, query_dtype="bfloat16") -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
     size, floor = op_bytes(op, n, B, hn, d, query_dim or d, getattr(torch, query_dtype).itemsize, shared)
-    floor_us = floor / rate * 1e6 if cuda else float("nan")
+    nan = float("nan")
+    floor_us = floor / rate * 1e6 if cuda else nan
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d, op=op,
                 query_dim=query_dim, query_dtype=query_dtype,
                 heads_per_rank=hn, B=B, mode=mode, backend=backend, dtype=dtype, num_warps=num_warps, pdl=pdl,
@@ -394,10 +466,12 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
                 **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
                 loop_us=max(r["loop_us"] for r in res), held=all(r["held"] for r in res) if cuda else None,
                 iters=iters, steps_per_hold=min(r["steps_per_hold"] for r in res),
-                algbw_GBps=size / worst["median_us"] / 1e3,
-                busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n,
+                # (without a GPU: no bandwidth of a transport, and the host time is the call itself)
+                algbw_GBps=size / worst["median_us"] / 1e3 if cuda else nan,
+                busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n if cuda else nan,
                 floor_us=floor_us, floor_frac=floor_us / worst["median_us"],
-                host_us=max(r["host_us"] for r in res), host_loop_us=max(r["host_loop_us"] for r in res),
+                host_us=max(r["host_us"] for r in res) if cuda else nan,
+                host_loop_us=max(r["host_loop_us"] for r in res) if cuda else nan,
                 max_rel_err=max(r["max_rel_err"] for r in res),
                 baseline_us=float("nan"), speedup=float("nan"))
 
@@ -411,6 +485,13 @@ def _fill_speedups(rows: list) -> None:
         t = baseline.get(point(r))
         if t is not None:
             r["baseline_us"], r["speedup"] = t, t / r["median_us"]
+
+
+def _dims(r: dict) -> str:
+    """The widths a row moved: the combine's D, the gather's Dq, a layer's both."""
+    op = r.get("op", "combine")
+    return str(r["head_dim"]) if op == "combine" else str(r["query_dim"]) if op == "gather" else \
+        f"{r['head_dim']}|{r['query_dim']}"
 
 
 def _held_cell(r: dict) -> str:
@@ -430,7 +511,7 @@ def _field(key: str) -> tuple:
 # (which decides whether the cell has a value) and how the cell is written.
 COLUMNS = [
     ("N", "", 2, *_field("world")), ("backend", "", 7, *_field("backend")), ("op", "", 7, *_field("op")),
-    ("D", "", 4, *_field("head_dim")),
+    ("D|Dq", "", 4, "head_dim", _dims),
     ("B", "tokens", 4, *_field("B")), ("mode", "", 6, *_field("mode")), ("size", "bytes", 9, *_field("size_bytes")),
     ("med", "us", 8, *_number("median_us", ".1f")), ("p10", "us", 7, *_number("p10_us", ".1f")),
     ("p90", "us", 7, *_number("p90_us", ".1f")), ("mark", "us", 5, *_number("mark_us", ".1f")),
@@ -439,6 +520,7 @@ COLUMNS = [
     ("%floor", "%", 6, *_number("floor_frac", ".0f", 100)), ("host", "us", 6, *_number("host_us", ".1f")),
     ("hloop", "us", 6, *_number("host_loop_us", ".1f")), ("{baseline}", "us", 6, *_number("baseline_us", ".1f")),
     ("x", "ratio", 5, *_number("speedup", ".2f")), ("held", "", 6, "held", _held_cell),
+    ("err", "", 7, *_number("max_rel_err", ".1e")),
 ]
 
 

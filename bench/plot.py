@@ -6,7 +6,8 @@ import os
 import sys
 from collections import Counter
 
-OPERATION = "DcpAllToAll.lse_reduce (all-to-all + LSE combine)"
+OPERATIONS = {"combine": "lse_reduce (all-to-all + LSE combine)", "gather": "all_gather_heads (query all-gather)",
+              "layer": "layer (a gather then a combine)"}
 FIGURES = ("latency.png", "speedup.png")
 
 
@@ -31,10 +32,13 @@ def machine(prov: dict, rows: list) -> str:
 
 def heading(prov: dict, rows: list) -> str:
     """The figure's title: what was timed (operation, D, dtype, modes, iterations) and where."""
-    parts = [f"D = {_listed(rows, 'head_dim')}", _listed(rows, "dtype"), _listed(rows, "mode")]
+    ops = [op for op in OPERATIONS if any(r.get("op", "combine") == op for r in rows)]
+    dims = [f"D = {_listed(rows, 'head_dim')}"] if set(ops) - {"gather"} else []
+    dims += [f"Dq = {_listed(rows, 'query_dim')}"] if set(ops) - {"combine"} else []
+    parts = [*dims, _listed(rows, "dtype"), _listed(rows, "mode")]
     iters = _listed(rows, "iters")
     parts += [f"{iters} timed calls per point"] if iters else []
-    return "\n".join([OPERATION, " | ".join(p for p in parts if p),
+    return "\n".join(["DcpAllToAll: " + ", ".join(OPERATIONS[op] for op in ops), " | ".join(p for p in parts if p),
                       f"{machine(prov, rows)} | torch {prov['torch']} | triton {prov['triton']}"])
 
 
@@ -90,19 +94,21 @@ def plot(results_json: str = "results/results.json", out_dir: str = "results") -
         series = {}
         for r in rows:
             if not missing(r.get(metric)) and (metric != "speedup" or r["backend"] == "triton"):
-                key = (r["world"], r["head_dim"], r["mode"], r["backend"], r.get("op", "combine"))
+                op = r.get("op", "combine")
+                key = (r["world"], r["head_dim"], r["mode"], r["backend"], op,
+                       f"Dq={r.get('query_dim')}" if op == "gather" else f"D={r['head_dim']}")
                 series.setdefault(key, []).append((r["B"], r[metric]))
         if not series:
             continue
         worlds = sorted({key[0] for key in series})
-        fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.8), squeeze=False)
+        fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 6.0), squeeze=False)
         styles = {}  # a colour per (op, mode, backend), the same in every panel; dashed: the smaller head dims
-        for (n, d, mode, backend, op), pts in sorted(series.items()):
+        for (n, d, mode, backend, op, dims), pts in sorted(series.items()):
             pts.sort()
             color = styles.setdefault((op, mode, backend), f"C{len(styles) % 10}")
             ax = axes[0][worlds.index(n)]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
-                    linestyle="-" if d == max(k[1] for k in series) else "--", label=f"{op} D={d} {mode} {backend}")
+                    linestyle="-" if d == max(k[1] for k in series) else "--", label=f"{op} {dims} {mode} {backend}")
         for n, ax in zip(worlds, axes[0]):
             pts = [p for key, s in series.items() if key[0] == n for p in s]
             ys = [y for _, y in pts]
@@ -122,7 +128,7 @@ def plot(results_json: str = "results/results.json", out_dir: str = "results") -
             ax.set_ylabel(ylabel)
             ax.set_title(panel_title(rows, n), fontsize=9)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # (below: no point hidden)
         fig.suptitle(heading(prov, rows), fontsize=9)
         fig.tight_layout()
         path = os.path.join(out_dir, fname)

@@ -73,13 +73,31 @@ def _bench(*args, script="-m bench", timeout=600) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, *start, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_error_every_rank_shares_is_one_line(tmp_path):
-    proc = _bench("--world-size", "2", "--head-dim", "7", "--batch", "1", "--iters", "1", "--out", str(tmp_path))
-    assert proc.returncode == 1
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stdout, proc.stderr
-    assert lines[0].startswith("python -m bench: error at N=2 triton D=7: DcpError: DcpAllToAll construction failed")
-    assert "head_dim must be a positive multiple of 8 up to 1024; got 7" in lines[0]
+@pytest.mark.parametrize("args,message", [
+    (["--head-dim", "12"], "--head-dim: must be a positive multiple of 8 up to 1024; got 12"),
+    (["--head-dim", "64", "2048"], "--head-dim: must be a positive multiple of 8 up to 1024; got 2048"),
+    (["--query-dim", "12"], "--query-dim: must be a positive multiple of 8 up to 1024; got 12"),
+    (["--query-dim", "24", "--query-dtype", "float8_e4m3fn"], "--query-dim: must be a positive multiple of 16"),
+])
+def test_geometry_refused_before_any_rank_starts(capsys, args, message):
+    """The communicator's own rules, checked up front: one line, no rank spawned."""
+    assert message in _refused(capsys, *args)
+
+
+def test_query_dim_unchecked_where_no_gather_runs(tmp_path):
+    """--query-dim matters only to the gather: a combine-only run ignores it."""
+    from bench.__main__ import geometry_error, parser
+
+    assert geometry_error(parser(False, 0).parse_args(["--op", "combine", "--query-dim", "12"])) is None
+
+
+def test_help_explains_every_column():
+    """Every header the table can print is explained in --help (the epilog's columns list)."""
+    from bench.__main__ import COLUMN_HELP, COLUMNS
+
+    for head, *_ in COLUMNS:
+        name = head.format(baseline="nccl")
+        assert re.search(rf"(?<![\w%|]){re.escape(name)}(?![\w|])", COLUMN_HELP), name
 
 
 def test_rank_failures_that_differ_keep_the_first_traceback():
@@ -101,7 +119,7 @@ def test_group_above_eight_runs_the_nccl_backend_only(tmp_path):
     here) runs; the speedup plot of an earlier run is removed (this run has no triton rows)."""
     (tmp_path / "speedup.png").write_bytes(b"from an earlier run")
     proc = _bench("--world-size", "9", "--heads-per-rank", "1", "--head-dim", "8", "--batch", "1", "--iters", "1",
-                  "--op", "combine",
+                  "--op", "combine", "--backends", "triton", "nccl",
                   "--out", str(tmp_path), script="/usr/local/bin/dcp-a2a-bench")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "N=9: triton not run (the triton path serves up to 8 ranks); gloo only" in proc.stdout.splitlines()

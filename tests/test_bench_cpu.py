@@ -11,26 +11,32 @@ def _no_nan(constant):
 
 
 def test_bench_cpu_writes_results(tmp_path):
+    """With the nccl backend asked for, it runs over gloo beside triton; every point is checked."""
     proc = subprocess.run([sys.executable, "-m", "bench", "--world-size", "2", "--batch", "1", "3",
-                           "--iters", "2", "--dtype", "float16", "--op", "combine", "gather", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+                           "--iters", "2", "--dtype", "float16", "--op", "combine", "gather", "--backends", "triton",
+                           "nccl", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     from bench.__main__ import CPU_BANNER, CPU_NOTE
 
-    assert lines[0] == CPU_BANNER and lines[-1] == CPU_NOTE and "8/8" in proc.stdout
-    table = lines[lines.index(next(x for x in lines if x.startswith(" N backend"))):-1]
-    assert table[0].split() == ["N", "backend", "op", "D", "B", "mode", "size", "med", "p10", "p90", "algbw",
-                                "busbw", "host", "gloo", "x"]
-    assert table[1].split() == ["tokens", "bytes", "us", "us", "us", "GB/s", "GB/s", "us", "us", "ratio"]
+    assert lines[0] == CPU_BANNER and CPU_NOTE in lines and "8/8" in proc.stdout
+    start = lines.index(next(x for x in lines if x.startswith(" N backend")))
+    table = lines[start:lines.index(CPU_NOTE)]
+    # no bandwidth and no host time without a GPU: they would describe the interpreter
+    assert table[0].split() == ["N", "backend", "op", "D|Dq", "B", "mode", "size", "med", "p10", "p90", "gloo", "x",
+                                "err"]
+    assert table[1].split() == ["tokens", "bytes", "us", "us", "us", "us", "ratio"]
     assert len(table) == 10 and not any(" nan" in x or " - " in x or x.endswith("-") for x in table)
+    assert [x.split()[3] for x in table[2:6]] == ["64", "32", "64", "32"]  # the gather's rows name Dq
     text = (tmp_path / "results.json").read_text()
     runs = json.loads(text, parse_constant=_no_nan)  # NaN written as null
     rows = runs[-1]["rows"]
     assert [r["backend"] for r in rows] == ["triton"] * 4 + ["gloo"] * 4
     assert [r["op"] for r in rows] == ["combine", "gather"] * 4
     assert all(r["max_rel_err"] < 1.6e-2 and r["dtype"] == "float16" for r in rows)
+    assert all(r["max_rel_err"] == 0 for r in rows if r["op"] == "gather")
     assert all(r["speedup"] > 0 and r["baseline_us"] > 0 for r in rows)
+    assert all(r["algbw_GBps"] is None and r["host_us"] is None for r in rows)
     assert all(r["num_warps"] == 8 for r in rows if r["op"] == "combine")
     assert all(r["pdl"] is False and r["timer"] == "host" for r in rows)
     assert all(r["loop_us"] is None and r["held"] is None for r in rows)
@@ -38,8 +44,17 @@ def test_bench_cpu_writes_results(tmp_path):
     prov = runs[-1]["provenance"]
     assert prov["torch"] and prov["copy_rate_Bps"] is None
     assert prov["command"] == (f"python -m bench --world-size 2 --batch 1 3 --iters 2 --dtype float16 --op combine "
-                               f"gather --out {tmp_path}")
+                               f"gather --backends triton nccl --out {tmp_path}")
     assert all((tmp_path / name).stat().st_size > 10_000 for name in ("latency.png", "speedup.png"))
+    # then the GPU results the checkout keeps, with their machine and commit
+    kept = proc.stdout[proc.stdout.index(CPU_NOTE):]
+    assert "docs/results/h200: NVIDIA H200, MPS, commit " in kept and " graph8 " in kept
+
+
+def test_kept_results_where_the_checkout_has_none(tmp_path):
+    from bench.__main__ import kept_results
+
+    assert kept_results(str(tmp_path / "nowhere")).startswith("GPU results: not in this installation; ")
 
 
 def test_host_time_probe_times_every_step_on_every_rank():
@@ -278,11 +293,11 @@ def test_table_leaves_out_the_columns_no_row_fills():
                mark_us=nan, loop_us=nan, floor_us=nan, floor_frac=nan, host_loop_us=nan, held=None)
     rows = [row, {**row, "backend": "gloo"}, {**row, "world": 3, "baseline_us": nan, "speedup": nan}]
     head, units, *lines = format_table(rows).splitlines()
-    assert head.split() == ["N", "backend", "op", "D", "B", "mode", "size", "med", "p10", "p90", "algbw", "busbw",
-                            "host", "gloo", "x"]
+    assert head.split() == ["N", "backend", "op", "D|Dq", "B", "mode", "size", "med", "p10", "p90", "algbw", "busbw",
+                            "host", "gloo", "x", "err"]
     assert units.split() == ["tokens", "bytes", "us", "us", "us", "GB/s", "GB/s", "us", "us", "ratio"]
     assert len(lines) == 3 and "nan" not in "".join(lines)
-    assert lines[2].split()[-2:] == ["-", "-"] and lines[1].split()[-2:] == ["1.0", "1.00"]
+    assert lines[2].split()[-3:-1] == ["-", "-"] and lines[1].split()[-3:] == ["1.0", "1.00", "1.0e+00"]
 
 
 def test_held_run_stops_retrying_only_where_launches_block_twice(monkeypatch):
