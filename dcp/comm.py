@@ -109,33 +109,54 @@ def _unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
 
 
 class DcpAllToAll:
-    """The packed DCP all-to-all with LSE combine on persistent buffers.
+    """The packed DCP all-to-all with LSE combine, and the query all-gather, on persistent buffers.
 
-    Collective: every rank of ``group`` constructs it with the same geometry. All memory is
-    allocated and mapped here, once; calls then allocate nothing but their returned outputs (none
-    with ``out=``). Each channel has its own slots, flags and device-side epoch: calls that may
-    run concurrently (two streams, two graphs replayed at once) must use different channels.
+    Collective: every rank of ``group`` (NCCL or gloo; N = its size, at least 2) constructs it with
+    the same arguments; a bad argument on any rank raises ``DcpError`` on every rank. All memory is
+    allocated and mapped here, once; calls then allocate nothing but the outputs they return (none
+    with ``out=``), so they can be captured in CUDA graphs. Use it as a context manager, or call
+    ``close()`` (collective) after dropping captured graphs.
 
-    ``max_tokens`` sizes the buffers, not the calls: a call of up to ``max_tokens`` tokens is one
-    kernel launch (``triton`` backend); a larger one runs in chunks of ``max_tokens``, one launch
-    each, inside the same call.
+    Geometry (every call must match it):
 
-    ``backend``: ``"triton"`` (fused push into peers' buffers), ``"nccl"`` (pack, the group's
-    all-to-all, combine) or ``"auto"`` (triton where every rank reaches every peer's buffer, else
-    nccl, decided by all ranks together). ``None`` reads ``DCP_A2A_BACKEND`` (default ``auto``).
+    - ``num_heads`` (required): H, all heads of the group, a positive multiple of N; rank r owns
+      heads ``[r*H/N, (r+1)*H/N)``.
+    - ``head_dim`` (required): D of the partial outputs, a positive multiple of 8 up to 1024.
+    - ``dtype``: of the partial outputs and the result: ``torch.float16``, ``torch.bfloat16`` or
+      ``torch.float32``.
+    - ``query_dim`` (default ``head_dim``) and ``query_dtype`` (default ``dtype``): the query
+      all-gather's rows; a multiple of 8 up to 1024 (16 for fp8), dtype fp16, bf16, fp32,
+      ``float8_e4m3fn`` or ``float8_e5m2``.
+    - ``max_tokens`` (default 64): sizes the buffers, not the calls: a call of up to ``max_tokens``
+      tokens is one kernel launch; a larger one runs in chunks of ``max_tokens`` inside the call.
+    - ``device``: default the current CUDA device, else the CPU (Triton's interpreter).
 
-    ``max_programs`` (default: the device's SMs over its ranks and the channels) sizes the
-    kernel's grid; ``num_warps`` fixes the warps per program (default: below 128 tokens per launch,
-    the fewest of 1, 2, 4 whose smaller tiles the grid of every rank covers in one round, else 8;
-    16 from 128 tokens). ``pdl`` (default: on where the GPU has it, compute capability 9.0 and
-    up) launches calls below 128 tokens (all calls when ``num_warps`` is set) with programmatic
-    dependent launch: their programs are scheduled while the previous kernel of the stream
-    finishes, and wait for it on the device.
-    ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
+    Transport: ``backend`` ``"triton"`` (one fused kernel pushing into peers' buffers; one host,
+    peer access, at most 8 ranks), ``"nccl"`` (pack, the group's all-to-all, combine) or ``"auto"``
+    (triton wherever every rank can run it, else nccl, decided by all ranks together); ``None`` reads
+    ``DCP_A2A_BACKEND`` (default ``auto``). After construction ``backend`` names the transport
+    chosen and ``backend_reason`` why.
+
+    Failure: every wait is bounded by ``timeout_s`` (default 10 s on GPUs, 120 s on the CPU; at
+    most a day). A call that cannot complete raises ``DcpTimeoutError`` (naming the missing ranks)
+    or ``DcpMismatchError`` (ranks entered the call differently) on every rank, writes its rows as
+    NaN, and poisons its channel until the communicator is rebuilt. ``check`` (default: on the CPU,
+    or with ``DCP_A2A_CHECK=1``) makes every call synchronize and raise at once; otherwise
+    ``check()`` or ``start_watchdog()`` raises a recorded failure.
+
+    Concurrency: each channel (``channels``, default 1) has its own slots, flags and device-side
+    epoch; one call at a time per channel. Calls that may run concurrently (two streams, two graphs
+    replayed at once) must use different channels.
+
+    Tuning (defaults are measured: ``docs/design.md``, section 5): ``max_programs`` (default: the
+    device's SMs over its ranks and the channels) sizes the kernel's grid; ``num_warps`` fixes the
+    warps per program (default: by call size, fewer for small calls, 16 from 128 tokens); ``pdl``
+    (default: on from compute capability 9.0) launches small calls with programmatic dependent
+    launch. ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
     """
 
-    def __init__(self, group: dist.ProcessGroup, max_tokens: int = 64, num_heads: int = 0,
-                 head_dim: int = 0, dtype: torch.dtype = torch.bfloat16,
+    def __init__(self, group: dist.ProcessGroup, max_tokens: int = 64, num_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str, int]] = None, *,
                  backend: Optional[str] = None, channels: int = 1, timeout_s: Optional[float] = None,
                  max_programs: Optional[int] = None, num_warps: Optional[int] = None,
@@ -209,6 +230,9 @@ class DcpAllToAll:
     def _set_arguments(self, max_tokens, num_heads, head_dim, channels, device, timeout_s,
                        requested, query_dim) -> Optional[str]:
         """Normalize the arguments onto ``self``; the first that does not fit, as a message."""
+        missing = [name for name, value in (("num_heads", num_heads), ("head_dim", head_dim)) if value is None]
+        if missing:
+            return f"{' and '.join(missing)} must be given (the geometry every call must match)"
         for name, value in zip(_INT_ARGS, (max_tokens, num_heads, head_dim, channels, query_dim)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 return f"{name} must be an integer; got {value!r}"
@@ -462,9 +486,18 @@ class DcpAllToAll:
                    channel: int = 0, check: Optional[bool] = None):
         """Combine this rank's head chunk over all ranks: ``[B, H, D]`` -> ``[B, H/N, D]``.
 
-        Returns ``out`` (allocated unless given) and, with ``return_lse``, the combined LSE
-        ``[B, H/N]`` fp32 in the base of the input LSE (``out_lse`` if given). ``check`` (default:
-        the constructor's) synchronizes and raises a recorded timeout or mismatch.
+        ``partial_out`` ``[B, H, D]`` in the constructor's dtype (last dimension contiguous) and
+        ``partial_lse`` ``[B, H]`` (fp32, bf16 or fp16, any strides): this rank's attention over its
+        KV shard and the log-sum-exp of each softmax, in base e (``is_lse_base_on_e``, the default)
+        or base 2 (every rank must agree). For each (token, head) of this rank's chunk the result is
+        ``sum_i exp(lse_i - L) * out_i`` over the ranks i, ``L`` the combined LSE, accumulated in
+        fp32; an LSE that is NaN or +inf counts as -inf, a rank of weight 0 adds nothing (even NaN
+        rows), and where every rank is empty the result is 0 with LSE -inf.
+
+        Returns ``out`` ``[B, H/N, D]`` (allocated unless given) and, with ``return_lse``, the
+        combined LSE ``[B, H/N]`` fp32 in the input's base (``out_lse`` if given). ``out`` must not
+        overlap the inputs. ``check`` (default: the constructor's) synchronizes and raises a
+        recorded timeout or mismatch; ``channel`` picks the channel (default 0).
 
         ``seq_lens`` [S] (this rank's KV length per sequence) and ``query_start_loc`` [S + 1]
         (cumulative query tokens), int32 or int64 on the device, as vLLM passes them: this rank adds

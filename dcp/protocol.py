@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Optional
 
 from dcp.kernels import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT,
-                         TAG_BASE2, TAG_KIND_SHIFT, TAG_MAX_TOKENS, TAG_NONE, TAG_POISONED)
+                         TAG_BASE2, TAG_GAVE_UP, TAG_KIND_SHIFT, TAG_MAX_TOKENS, TAG_NONE, TAG_POISONED)
 from dcp.errors import DcpError, DcpMismatchError, DcpTimeoutError
 
 STATE_BYTES = 64  # the epoch word and the poison word, local to the rank
@@ -184,16 +184,27 @@ def call_tag(kind: int, n_tokens: int, base2: bool = False) -> int:
 _KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "query all-gather"}
 
 
+def gave_up_on(tag: int) -> Optional[list]:
+    """The ranks a peer's retraction says it timed out waiting for; None: not a retraction."""
+    if TAG_GAVE_UP - 255 <= tag <= TAG_GAVE_UP:
+        mask = TAG_GAVE_UP - tag
+        return [r for r in range(8) if mask >> r & 1]
+    return None
+
+
 def describe_tag(tag: int) -> str:
+    """What a rank did in a call, as its flags announced it (after "rank r")."""
     if tag == TAG_ABORT:
         return "rejected its call before launch"
     if tag == TAG_POISONED:
         return "had already failed a call on this channel"
     if tag == TAG_NONE:
         return "sent nothing of this call"
+    if gave_up_on(tag) is not None:
+        return f"timed out waiting for rank(s) {gave_up_on(tag)}"
     kind = tag >> TAG_KIND_SHIFT
     base = f" (LSE base {2 if tag & TAG_BASE2 else 'e'})" if kind == KIND_COMBINE else ""
-    return f"{_KINDS.get(kind, 'unknown call')} of B={tag & TAG_MAX_TOKENS}{base}"
+    return f"ran a {_KINDS.get(kind, 'unknown call')} of B={tag & TAG_MAX_TOKENS}{base}"
 
 
 def status_words(address: int) -> "ctypes.Array":
@@ -211,8 +222,11 @@ def status_error(words: "ctypes.Array", world: int, rank: int, channel: int) -> 
     if code == 0:
         return None
     epoch, tile, own = words[1], words[2], words[3]
-    missing = [r for r in range(world) if words[4 + r]]
     announced = {r: words[12 + r] for r in range(world)}
+    # Ranks missing here, and those a peer that gave up first was waiting for: every rank names the
+    # same culprits for one timed-out call (a late rank names itself).
+    missing = sorted({r for r in range(world) if words[4 + r]}.union(
+        *(gave_up_on(t) or () for r, t in announced.items() if r != rank)))
     where = f"rank {rank}, channel {channel}, epoch {epoch}, tile {tile}; {POISONED_NOTE}"
     if code == STATUS_TIMEOUT:
         return DcpTimeoutError(
@@ -222,6 +236,6 @@ def status_error(words: "ctypes.Array", world: int, rank: int, channel: int) -> 
         other = "; ".join(f"rank {r} {describe_tag(t)}" for r, t in announced.items()
                           if r != rank and t != own)
         return DcpMismatchError(
-            f"ranks entered the same DCP call differently: this rank ran a {describe_tag(own)}; "
+            f"ranks entered the same DCP call differently: this rank {describe_tag(own)}; "
             f"{other} ({where}); its rows were written as NaN", missing)
     return DcpTimeoutError(f"DCP all-to-all failed with status {code} ({where})", missing)

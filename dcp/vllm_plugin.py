@@ -151,8 +151,10 @@ def _manager_comm(manager) -> Optional[DcpAllToAll]:
         query = {} if query_why else dict(query_dim=g["query_head_dim"], query_dtype=g["query_dtype"])
         comm = dropin.communicator(group, heads, g["output_head_dim"], g["output_dtype"], manager.device,
                                    max_tokens=tokens, **query)
+    # (vLLM's manager records whether the user chose the packed all-to-all, --dcp-comm-backend a2a)
+    overridden = comm is not None and getattr(manager, "use_a2a", True) is False
     _log_once((world, heads, g["output_head_dim"], g["output_dtype"], g["query_head_dim"], g["query_dtype"]),
-              why, query_why, comm)
+              why, query_why, comm, overridden)
     manager._dcp_a2a_comm, manager._dcp_a2a_serves_query = comm, comm is not None and query_why is None
     return comm
 
@@ -160,7 +162,7 @@ def _manager_comm(manager) -> Optional[DcpAllToAll]:
 _logged: set = set()
 
 
-def _log_once(key, why, query_why, comm) -> None:
+def _log_once(key, why, query_why, comm, overridden: bool = False) -> None:
     if key in _logged:
         return
     _logged.add(key)
@@ -170,8 +172,10 @@ def _log_once(key, why, query_why, comm) -> None:
                  dtype, why)
         return
     log.info("dcp_a2a: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend, max_tokens %d); query gather "
-             "Dq=%d %s %s", world, heads, d, dtype, comm.backend, comm.max_tokens, dq, qdtype,
-             "on dcp-a2a" if query_why is None else f"kept on vLLM's own ({query_why})")
+             "Dq=%d %s %s%s", world, heads, d, dtype, comm.backend, comm.max_tokens, dq, qdtype,
+             "on dcp-a2a" if query_why is None else f"kept on vLLM's own ({query_why})",
+             "; vLLM's --dcp-comm-backend ag_rs overridden (DCP_A2A_VLLM=1 serves every MLA layer)" if overridden
+             else "")
 
 
 def _note_no_fallback(what: str, fallback) -> None:

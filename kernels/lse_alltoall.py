@@ -67,6 +67,10 @@ TAG_ABORT = -1
 TAG_POISONED = -2
 TAG_NONE = -3
 TAG_LOAD = -4
+# A rank whose wait for this call timed out retracts its flags with TAG_GAVE_UP - mask, mask the
+# sources it was missing (bit s: rank s): its peers then fail the call as a timeout naming those
+# ranks, as it does, instead of as a mismatch with it.
+TAG_GAVE_UP = -16
 
 CTL_STATUS = 8  # ctl[0:N] peer channel bases, ctl[8] status address, ctl[9] timeout (ns),
 CTL_TIMEOUT = 9  # ctl[10] trace address (0 unless tracing)
@@ -94,6 +98,7 @@ _MISMATCH_AFTER_NS = tl.constexpr(20_000)
 _TAG_POISONED = tl.constexpr(TAG_POISONED)
 _TAG_NONE = tl.constexpr(TAG_NONE)
 _TAG_LOAD = tl.constexpr(TAG_LOAD)
+_TAG_GAVE_UP = tl.constexpr(TAG_GAVE_UP)
 _SEQ_BLOCK = tl.constexpr(64)  # sequences of the batch metadata looked at per load
 
 
@@ -385,6 +390,7 @@ def lse_alltoall_kernel(
         # is good only if every flag also carries this call's tag.
         flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int64)) + slot * N * TILES_MAX
         code = tl.where(poisoned, _MISMATCH, 0)  # > 0 once a tile failed: its rows are then NaN
+        missed = code * 0  # bit s: source s had not arrived at this program's first failed tile
         # (read here, not with ``local``: kept live across the push they cost a register spill)
         status = tl.load(ctl + _CTL_STATUS).to(tl.pointer_type(tl.int32))
         timeout = tl.where(poisoned, 0, tl.load(ctl + _CTL_TIMEOUT)).to(tl.int64)
@@ -397,34 +403,44 @@ def lse_alltoall_kernel(
             while tile_code == 0:
                 n_arrived = 0
                 n_same = 0
+                n_gave_up = 0
                 for s in tl.static_range(N):
                     got = _load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE)
                     n_arrived += ((got & 0xFFFFFFFF) == e).to(tl.int32)
                     n_same += (got == want).to(tl.int32)
+                    n_gave_up += _gave_up(got, e).to(tl.int32)
                 waited = _now(t) - start
-                tile_code = tl.where(n_same == N, -1, tl.where(n_arrived == N, _MISMATCH,
+                tile_code = tl.where(n_same == N, -1, tl.where(n_arrived == N, tl.where(n_gave_up > 0, _TIMEOUT,
+                                                                                         _MISMATCH),
                                                                tl.where(waited > timeout, _TIMEOUT, 0)))
                 # A sender of another call (another B, or a call that moves no data) may never
                 # publish this tile; its tile 0 always exists, so it shows there. Looked at only
                 # once the wait is not short, so the fast spin reads nothing else.
-                # A source whose channel is poisoned never takes part again, whatever the epoch.
+                # A source whose channel is poisoned never takes part again, whatever the epoch;
+                # one that gave up on this call after a timeout fails it as a timeout here too.
                 if (tile_code == 0) & (waited > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
                         first = _load_relaxed(flags + s * TILES_MAX, GPU_SCOPE)
-                        if (((first & 0xFFFFFFFF) == e) & (first != want)) | ((first >> 32) == _TAG_POISONED):
+                        if _gave_up(first, e):
+                            tile_code = tl.where(tile_code == _MISMATCH, _MISMATCH, _TIMEOUT)
+                        elif (((first & 0xFFFFFFFF) == e) & (first != want)) | ((first >> 32) == _TAG_POISONED):
                             tile_code = _MISMATCH
                 _pause()
             if (tile_code > 0) & (code == 0):
                 _record_failure(status, flags, t, e, tag, tile_code, N, TILES_MAX, GPU_SCOPE)
+                for s in tl.static_range(N):  # the sources this program missed, for its retraction
+                    got = _load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE)
+                    missed |= ((got & 0xFFFFFFFF) != e).to(tl.int32) << s
             code = tl.where(code > 0, code, tile_code)
             # After one failed wait the call is lost: later tiles look once and give up.
             timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
             t += G
         if (code == _TIMEOUT) & (tag != _TAG_POISONED):
             # Retract this program's flags of the timed-out call: a peer that comes late (it may
-            # have skipped a call) must find a poisoned channel, not rows it would take for its own
-            # call. (After a mismatch the flags stay: the late peer sees the difference itself.)
-            retracted = (tl.full([], _TAG_POISONED, tl.int64) << 32) | e.to(tl.int64)
+            # have skipped a call) must find a call given up, not rows it would take for its own
+            # call, and learn whom this rank waited for. (After a mismatch the flags stay: the
+            # late peer sees the difference itself.)
+            retracted = ((tl.full([], _TAG_GAVE_UP, tl.int64) - missed.to(tl.int64)) << 32) | e.to(tl.int64)
             _fence(e, GPU_SCOPE)
             t = pid
             while t < n_tiles:
@@ -469,6 +485,12 @@ def lse_alltoall_kernel(
                 tl.store(rec + 3, t_arrived)
                 tl.store(rec + 4, t_combined)
                 tl.store(rec, e.to(tl.int64))
+
+
+def _gave_up(flag, e):
+    """Whether a flag is a retraction of call ``e`` by a rank whose wait timed out."""
+    g = flag >> 32
+    return ((flag & 0xFFFFFFFF) == e) & (g <= _TAG_GAVE_UP) & (g > _TAG_GAVE_UP - 256)
 
 
 def _record_failure(status, flags, t, e, tag, code, N: tl.constexpr, TILES_MAX: tl.constexpr,
@@ -588,7 +610,8 @@ def _call_failed_cpu(status, e):
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
 _SHARED_HELPERS = (_tile_rows, _empty_rows, _load_tile, _store_tile, _chunk_units, _load_chunks, _store_chunks,
-                   _copy_chunks, _load_lse, _round_to, _combine_rows, _finish_combine, _stamp, _scale_strides, _record_failure)
+                   _copy_chunks, _load_lse, _round_to, _combine_rows, _finish_combine, _stamp, _scale_strides,
+                   _gave_up, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse", "tok0", "num_seqs", "s_sl", "s_qsl"]
 _built: dict = {}

@@ -157,6 +157,8 @@ def test_bad_calls_raise_clear_errors(worlds):
     (dict(max_tokens=2, num_heads=6, head_dim=16, num_warps=3), "num_warps"),
     (dict(max_tokens=2, num_heads=6, head_dim=16, max_programs=0), "max_programs"),
     (dict(max_tokens=2, num_heads=6, head_dim=16, pdl=True), "pdl"),  # CPU: no programmatic launch
+    (dict(max_tokens=2, head_dim=16), "num_heads must be given"),  # a careless caller's defaults
+    (dict(max_tokens=2), "num_heads and head_dim must be given"),
 ])
 def test_bad_geometry_fails_on_every_rank(worlds, kwargs, needle):
     msgs = worlds(3).run(rc.construct_expect_error, **kwargs)
@@ -219,3 +221,24 @@ def test_trace_records_every_call_in_order(worlds):
     split = phases(recs, calls=calls)  # as if one graph held them all
     assert split["period"] > 0 and all(np.isfinite(split[k]) for k in PHASES)
     assert split["programs"] == programs
+
+
+def test_the_docstrings_are_enough_to_use_the_api():
+    """``help(DcpAllToAll)`` states the limits, defaults and meanings the README also gives."""
+    import inspect
+
+    from dcp import DcpAllToAll
+
+    sig = inspect.signature(DcpAllToAll)
+    assert sig.parameters["num_heads"].default is None and sig.parameters["head_dim"].default is None
+    doc = inspect.getdoc(DcpAllToAll)
+    for fact in ("multiple of N", "multiple of 8 up to 1024", "torch.float32", "float8_e4m3fn", "10 s on GPUs",
+                 "120 s on the CPU", "backend_reason", "DCP_A2A_BACKEND", "chunks of ``max_tokens``",
+                 "different channels", "DcpTimeoutError", "DcpMismatchError"):
+        assert fact in " ".join(doc.split()), fact
+    reduce_doc = " ".join(inspect.getdoc(DcpAllToAll.lse_reduce).split())
+    for fact in ("is_lse_base_on_e", "base e", "base 2", "every rank must agree", "NaN or +inf counts as -inf",
+                 "seq_lens", "query_start_loc", "fp32"):
+        assert fact in reduce_doc, fact
+    gather_doc = " ".join(inspect.getdoc(DcpAllToAll.all_gather_heads).split())
+    assert "bit for bit" in gather_doc and "head-sliced view" in gather_doc

@@ -60,8 +60,8 @@ def test_a_gather_against_a_combine_is_told(worlds):
     w = worlds(2)
     _comm(w, "gc", 2, 16, "float16", timeout_s=30.0)
     res = w.run(gc.gather_against_combine, "gc", fresh_seed())
-    assert "this rank ran a query all-gather of B=2; rank 1 combine of B=2" in res[0]["first"], res
-    assert "this rank ran a combine of B=2 (LSE base e); rank 0 query all-gather of B=2" in res[1]["first"], res
+    assert "this rank ran a query all-gather of B=2; rank 1 ran a combine of B=2" in res[0]["first"], res
+    assert "this rank ran a combine of B=2 (LSE base e); rank 0 ran a query all-gather of B=2" in res[1]["first"], res
     assert all("rebuilt" in r["next"] for r in res), res
     w.run(rc.close_comm, "gc")
 

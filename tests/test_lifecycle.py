@@ -40,6 +40,33 @@ def test_absent_peers_time_out_naming_them(worlds):
     w.run(rc.close_comm, "to")
 
 
+def test_the_first_failure_of_a_call_reads_alike_on_every_rank(worlds):
+    """Rank 2 skips a call: ranks 0 and 1 both time out naming rank 2 (the first to give up tells
+    the other whom it waited for; not "rank 0 had already failed"), and rank 2, coming late to
+    that call, names itself."""
+    w = worlds(3)
+    w.run(rc.make_comm, "alike", max_tokens=4, num_heads=6, head_dim=16, timeout_s=SHORT_TIMEOUT_S)
+    res = w.run(rc.expect_timeout, "alike", ranks=[0, 1], timeout=120)
+    res += w.run(rc.expect_timeout, "alike", ranks=[2], timeout=120)
+    for rank, r in enumerate(res):
+        assert r["missing"] == [2], r
+        assert r["message"].startswith(f"DCP all-to-all timed out waiting for rank(s) [2] (rank {rank}, "), r
+    assert res[2]["elapsed"] < SHORT_TIMEOUT_S, res[2]  # told at once, not after its own timeout
+    w.run(rc.close_comm, "alike")
+
+
+def test_status_texts_name_what_each_rank_did():
+    from dcp.kernels import STATUS_MISMATCH, STATUS_WORDS, TAG_ABORT, TAG_GAVE_UP
+    from dcp.protocol import call_tag, describe_tag, status_error
+
+    words = [0] * STATUS_WORDS
+    words[:4] = [STATUS_MISMATCH, 5, 0, TAG_ABORT]
+    words[12:14] = [TAG_ABORT, call_tag(0, 3)]
+    text = str(status_error(words, 2, 0, 0))
+    assert "this rank rejected its call before launch; rank 1 ran a combine of B=3 (LSE base e)" in text, text
+    assert describe_tag(TAG_GAVE_UP - 0b101) == "timed out waiting for rank(s) [0, 2]"
+
+
 def test_peer_death_is_reported_and_survivors_close():
     w = World(3)
     try:

@@ -79,8 +79,8 @@ def test_sizes_differing_by_whole_chunks_are_told(worlds):
     w = worlds(2)
     _comm(w)
     res = w.run(lc.rank_sizes, "ls", fresh_seed(), sizes=[8, 4])
-    assert "B=8" in res[0]["first"] and "rank 1 combine of B=4" in res[0]["first"], res
-    assert "B=4" in res[1]["first"] and "rank 0 combine of B=8" in res[1]["first"], res
+    assert "B=8" in res[0]["first"] and "rank 1 ran a combine of B=4" in res[0]["first"], res
+    assert "B=4" in res[1]["first"] and "rank 0 ran a combine of B=8" in res[1]["first"], res
     _poisoned_everywhere(res)
     w.run(rc.close_comm, "ls")
 
@@ -89,8 +89,8 @@ def test_ranks_with_lses_of_different_bases_are_told(worlds):
     w = worlds(2)
     _comm(w)
     res = w.run(lc.lse_bases, "ls", fresh_seed(), [True, False])
-    assert "combine of B=2 (LSE base e); rank 1 combine of B=2 (LSE base 2)" in res[0]["first"], res
-    assert "combine of B=2 (LSE base 2); rank 0 combine of B=2 (LSE base e)" in res[1]["first"], res
+    assert "combine of B=2 (LSE base e); rank 1 ran a combine of B=2 (LSE base 2)" in res[0]["first"], res
+    assert "combine of B=2 (LSE base 2); rank 0 ran a combine of B=2 (LSE base e)" in res[1]["first"], res
     _poisoned_everywhere(res)
     w.run(rc.close_comm, "ls")
 

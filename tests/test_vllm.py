@@ -36,6 +36,17 @@ def test_plugin_runs_both_collectives_of_vllms_mla_layer(worlds, n, dtype, query
     assert any(f"N={n}, {2 * n} heads" in line for line in lines), lines
 
 
+def test_the_log_says_when_the_users_ag_rs_choice_is_overridden(worlds):
+    """vLLM's default --dcp-comm-backend ag_rs: the plugin still serves the MLA layers (README),
+    and its log line says so; with a2a chosen it says nothing of the kind."""
+    res = worlds(2).run(vc.current_lineage, fresh_seed(), True, "bfloat16", "bfloat16", "ag_rs")
+    assert all(not set(r["vllm_calls"]) & OWN_TRANSPORTS and r["err"] <= rc.TOL[torch.bfloat16] for r in res)
+    assert any(line.endswith("; vLLM's --dcp-comm-backend ag_rs overridden (DCP_A2A_VLLM=1 serves every MLA layer)")
+               for line in res[0]["log"]), res[0]["log"]
+    chosen = worlds(2).run(vc.current_lineage, fresh_seed(), True)[0]["log"]
+    assert not any("overridden" in line for line in chosen), chosen
+
+
 def _readme_log_lines() -> list:
     block = re.search(r"<!-- vllm-log -->\s*```\n(.*?)```", README.read_text(), re.S).group(1)
     return block.strip().splitlines()

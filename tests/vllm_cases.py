@@ -127,7 +127,7 @@ def _reference(outs, lses, seq_lens, rank: int, hn: int, base_e: bool = True):
 
 
 def current_lineage(state, seed: int, enabled: bool, dtype: str = "bfloat16",
-                    query_dtype: str = "bfloat16") -> dict:
+                    query_dtype: str = "bfloat16", comm_backend: str = "a2a") -> dict:
     """vLLM 0.33.0's MLA layer over the stand-in: its manager's query gather and combine (with
     seq_lens masking, padding rows, chunks), and the module's ``dcp_a2a_lse_reduce`` as the
     non-MLA backends call it (base 2, ``return_lse``). With the plugin on, none of vLLM's own
@@ -140,7 +140,7 @@ def current_lineage(state, seed: int, enabled: bool, dtype: str = "bfloat16",
     hn, d_lora, d_rope = 2, 16, 16
     dt, qdt = DTYPES[dtype], getattr(torch, query_dtype)
     padded = n * hn + 2
-    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(dcp_comm_backend="a2a"),
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(dcp_comm_backend=comm_backend),
                                    max_num_tokens=MAX_TOKENS)
     layers = [MLAAttention(config, "cpu", hn, d_lora, d_rope, dt, qdt, padded) for _ in range(2)]
     built = dict(vllm.CALLS)
