@@ -22,4 +22,6 @@ def test_plugin_in_a_real_vllm(worlds):
         assert r["err"] <= rc.TOL[torch.bfloat16], r
     assert any("MLADCPManager patched" in line for line in res[0]["log"]), res[0]["log"]
     assert not any("vLLM's own serves" in line for r in res for line in r["log"]), res  # none went to vLLM's
-    print(f"real vLLM at {res[0]['vllm']}: combine errors {[round(r['err'], 4) for r in res]}")
+    for r in res:  # the manager's one combine and one query gather ran here, none on vLLM's own
+        assert r["calls"] == {"ours: combine": 1, "ours: query gather": 1}, r["calls"]
+    print(f"real vLLM at {res[0]['vllm']}: combine errors {[round(r['err'], 4) for r in res]}; calls {res[0]['calls']}")

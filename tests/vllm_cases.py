@@ -3,6 +3,7 @@
 older ``dcp_alltoall.py`` lineage."""
 
 import atexit
+import functools
 import importlib
 import importlib.metadata
 import logging
@@ -11,11 +12,13 @@ import shutil
 import sys
 import tempfile
 import types
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from dcp import DcpAllToAll
 from dcp import vllm as dropin
 from dcp.reference import chunk_reference, make_inputs, make_queries, mask_by_metadata, max_rel_error
 from tests.rank_cases import DTYPES, TOL
@@ -359,6 +362,7 @@ def real_vllm_layer(state, seed: int) -> dict:
     from vllm.v1.attention.ops import dcp as vdcp
 
     assert "standin_vllm" not in str(Path(vllm.__file__)), "the stand-in, not a real vLLM"
+    calls = _count_transports(vdcp, ps)  # before the plugin, which keeps vLLM's own as its fallback
     vllm.plugins.load_general_plugins()
     n, rank = dist.get_world_size(), dist.get_rank()
     hn, D, Dq, padded = 4, 32, 64, 4 * n + 4
@@ -367,6 +371,7 @@ def real_vllm_layer(state, seed: int) -> dict:
         ps.init_distributed_environment(world_size=n, rank=rank, local_rank=rank, backend="gloo")
         ps.initialize_model_parallel(n, 1, 1, n, backend="gloo")
         try:
+            calls.clear()  # (setting up the groups gathers too)
             manager = vdcp.MLADCPManager(config, torch.device("cpu"), hn, Dq, D, torch.bfloat16, torch.bfloat16,
                                          padded, True, False)
             outs, lses, seq_lens = _batch(seed, n, n * hn, D, torch.bfloat16)
@@ -380,4 +385,31 @@ def real_vllm_layer(state, seed: int) -> dict:
             "exact": torch.equal(q.view(torch.int16), torch.cat(queries, dim=1).view(torch.int16)),
             "storage_ok": q.is_contiguous() and q.untyped_storage().nbytes() >= B * padded * Dq * 2,
             "ours": getattr(manager, "_dcp_a2a_comm", None) is not None, "log": records.lines,
-            "vllm": vllm.__file__}
+            "vllm": vllm.__file__, "calls": dict(calls)}
+
+
+def _count_transports(vdcp, ps) -> Counter:
+    """Counts every call into this package's two collectives and into each of vLLM's own DCP
+    transports (its group all-gather, the packed NCCL all-to-all, AG+RS and AG+AR, the direct
+    symmetric-memory workspaces), by wrapping them where vLLM's code looks them up."""
+    calls: Counter = Counter()
+
+    def counted(owner, name, label):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)  # (the plugin reads the original's parameters)
+        def wrapper(*args, **kwargs):
+            calls[label] += 1
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    counted(DcpAllToAll, "lse_reduce", "ours: combine")
+    counted(DcpAllToAll, "all_gather_heads", "ours: query gather")
+    counted(ps.GroupCoordinator, "all_gather", "vLLM: GroupCoordinator.all_gather")
+    for name in ("dcp_a2a_lse_reduce", "cp_lse_ag_out_rs", "cp_lse_ag_out_ar", "get_direct_dcp_a2a_workspace",
+                 "get_direct_dcp_q_gather_workspace"):
+        counted(vdcp, name, f"vLLM: {name}")
+    counted(vdcp.DirectDCPA2AWorkspace, "lse_reduce", "vLLM: direct workspace combine")
+    counted(vdcp.DirectDCPQGatherWorkspace, "gather", "vLLM: direct workspace query gather")
+    return calls
