@@ -81,13 +81,22 @@ def communicator(cp_group: Any, num_heads: int, head_dim: int, dtype: torch.dtyp
 warmup = communicator  # the name earlier releases documented
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether this device's current stream is capturing a CUDA graph (nothing may be built then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def has_communicator(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return (id(group), "combine", num_heads, head_dim, dtype, device) in _by_call
+
+
 def _cached(group, num_heads, head_dim, dtype, device, query: Optional[tuple] = None) -> DcpAllToAll:
     """The communicator of a call: one that serves its geometry (any query geometry for a combine)."""
     comm = _by_call.get((id(group), "combine", num_heads, head_dim, dtype, device) if query is None
                         else (id(group), "gather", num_heads, *query, device))
     if comm is not None:
         return comm
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         raise DcpError("dcp.vllm: no communicator for this geometry yet, and the stream is capturing a CUDA "
                        "graph: call dcp.vllm.communicator(...) on every rank before capture")
     if query is None:
@@ -179,16 +188,30 @@ def fallback_combine(original: Callable) -> Callable:
             kwargs.update(zip(names, args))
             args = ()
         group = args[0] if args else kwargs.get("cp_group", kwargs.get("kvp_group"))
-        world = group_parts(group)[1] if group is not None else 0
+        parts = group_parts(group) if group is not None else (None, 0)
+        world = parts[1]
         if (world == 1 or world and isinstance(cp_attn_out, torch.Tensor) and cp_attn_out.dim() == 3
                 and combine_geometry_error(world, cp_attn_out.shape[1], cp_attn_out.shape[2],
                                            cp_attn_out.dtype) is None):
-            return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
+            if world == 1 or not capturing(cp_attn_out.device) or has_communicator(
+                    parts[0], cp_attn_out.shape[1], cp_attn_out.shape[2], cp_attn_out.dtype, cp_attn_out.device):
+                return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
+            # Nothing may be built in capture: vLLM's own serves this geometry (logged once).
+            _note_unbuilt(cp_attn_out)
         return original(cp_attn_out, cp_attn_lse, *args, **kwargs)
 
     combine.__wrapped__ = original
     combine.__name__ = combine.__qualname__ = "dcp_a2a_lse_reduce"
     return combine
+
+
+def _note_unbuilt(t: torch.Tensor) -> None:
+    key = ("unbuilt", tuple(t.shape[1:]), t.dtype)
+    if key not in _ignored:
+        _ignored.add(key)
+        log.warning("dcp.vllm: a combine of %s %s reached capture with no communicator built for it: vLLM's own "
+                    "serves it (build one with dcp.vllm.communicator(...) before capture)", t.dtype,
+                    list(t.shape[1:]))
 
 
 def close_all() -> None:

@@ -13,12 +13,17 @@ before the model is built. It patches what it recognizes, by the symbols it find
 - ``dcp_a2a_lse_reduce`` in ``vllm.v1.attention.ops.dcp`` and in the older
   ``vllm.v1.attention.ops.dcp_alltoall``: replaced there and in every loaded module that imported
   it by name, keeping vLLM's own as the fallback for geometries this package does not serve.
+- The non-MLA attention implementations that bind that combine when vLLM builds its layers
+  (``FlashAttentionImpl``, ``FlashInferImpl``; patched when their modules load): the communicator
+  of their geometry is built there, before capture, like the MLA managers'. A combine that still
+  reaches capture with none built is served by vLLM's own (``dcp.vllm.fallback_combine``).
 
 Where an expected symbol is missing it says so and leaves that part of vLLM untouched.
 """
 
 import functools
 import importlib
+import importlib.abc
 import inspect
 import logging
 import os
@@ -41,6 +46,9 @@ _MANAGER_ARGS = ("num_heads", "query_head_dim", "output_head_dim", "query_dtype"
 _COMBINE_ARGS = ("num_heads", "head_dim", "dtype", "is_lse_base_on_e", "use_pcp")
 _GATHER_ARGS = ("num_heads", "head_dim", "dtype")
 _MARK = "_dcp_a2a_original"
+# Attention implementations that bind the combine in __init__: (module, class).
+IMPLS = (("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
+         ("vllm.v1.attention.backends.flashinfer", "FlashInferImpl"))
 
 
 def enabled() -> bool:
@@ -63,6 +71,80 @@ def register() -> None:
     if not found:
         log.warning("dcp_a2a: DCP_A2A_VLLM=1 but neither %s nor %s can be imported; vLLM left untouched",
                     MANAGER_MODULE, ALLTOALL_MODULE)
+        return
+    for module_name, _ in IMPLS:  # patched when vLLM imports them (importing them here would be heavy)
+        if module_name in sys.modules:
+            _patch_impls(sys.modules[module_name])
+    if not any(isinstance(f, _ImplFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ImplFinder())
+
+
+class _ImplFinder(importlib.abc.MetaPathFinder):
+    """Patches an attention backend module of ``IMPLS`` right after it executes."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in dict(IMPLS):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                loader, run = spec.loader, spec.loader.exec_module
+
+                def exec_module(module, run=run):
+                    run(module)
+                    _patch_impls(module)
+
+                loader.exec_module = exec_module
+                return spec
+        return None
+
+
+def _patch_impls(module) -> None:
+    """Wrap the module's attention implementation so that building one builds its communicator."""
+    cls = getattr(module, dict(IMPLS)[module.__name__], None)
+    if cls is None or _MARK in cls.__dict__:
+        if cls is None:
+            log.warning("dcp_a2a: %s has no %s; its combine is built on first use", module.__name__,
+                        dict(IMPLS)[module.__name__])
+        return
+    original = cls.__dict__["__init__"]
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _impl_comm(self)
+
+    setattr(cls, _MARK, {"__init__": original})
+    cls.__init__ = __init__
+
+
+def _impl_comm(impl) -> None:
+    """Build the communicator of an attention implementation that bound this package's combine
+    (collective: every rank builds the same layers in the same order)."""
+    if not any(getattr(v, "_dcp_a2a", False) or getattr(getattr(v, "func", None), "_dcp_a2a", False)
+               for v in vars(impl).values()):
+        return
+    group = importlib.import_module("vllm.distributed.parallel_state").get_dcp_group()
+    world = dropin.group_parts(group)[1]
+    heads, d = getattr(impl, "num_heads", 0) * world, getattr(impl, "head_size", 0)
+    # vLLM builds its layers under the model's dtype; FlashAttention also records it.
+    dtype = getattr(impl, "_dcp_dtype", None) or torch.get_default_dtype()
+    why = "a group of one" if world == 1 else combine_geometry_error(world, heads, d, dtype)
+    key = ("impl", type(impl).__name__, world, heads, d, dtype)
+    if why is None:
+        tokens = dropin.max_tokens_from_env() if os.environ.get("DCP_A2A_MAX_TOKENS") else (
+            getattr(impl, "_dcp_max_num_tokens", 0) or dropin.DEFAULT_MAX_TOKENS)
+        comm = dropin.communicator(group, heads, d, dtype, max_tokens=tokens)
+    if key not in _logged:
+        _logged.add(key)
+        if why is None:
+            log.info("dcp_a2a: %s: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend, max_tokens %d), built "
+                     "before capture", type(impl).__name__, world, heads, d, dtype, comm.backend, comm.max_tokens)
+        else:
+            log.info("dcp_a2a: %s: N=%d, %d heads, D=%d %s: vLLM's own combine kept (%s)", type(impl).__name__,
+                     world, heads, d, dtype, why)
 
 
 def _missing_parameters(fn, names) -> list:

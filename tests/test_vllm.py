@@ -47,6 +47,22 @@ def test_the_log_says_when_the_users_ag_rs_choice_is_overridden(worlds):
     assert not any("overridden" in line for line in chosen), chosen
 
 
+def test_non_mla_layers_build_their_communicator_before_capture(worlds):
+    """vLLM 0.33.0's FlashAttention impl reaches the patched combine with no manager: the plugin
+    builds its communicator when the impl is built, so a call in capture needs nothing new; a
+    geometry never built goes to vLLM's own in capture, logged, instead of raising."""
+    res = worlds(2).run(vc.non_mla_impl_before_capture, fresh_seed())
+    for r in res:
+        assert r["built_at_init"] == 1 and r["comms_after"] == 1, r
+        assert not r["calls_ours"], r["calls_ours"]  # the first call in capture ran on ours
+        assert r["calls_after"] == {"dcp_a2a_lse_reduce": 1}, r["calls_after"]  # the unbuilt one: vLLM's own
+        assert r["err"] <= rc.TOL[torch.bfloat16] and r["err_other"] <= rc.TOL[torch.bfloat16], r
+    log = res[0]["log"]
+    assert any(line.startswith("dcp_a2a: FlashAttentionImpl: N=2, 4 heads, combine D=64 torch.bfloat16 on dcp-a2a")
+               and line.endswith("built before capture") for line in log), log
+    assert any("reached capture with no communicator built for it: vLLM's own serves it" in line for line in log), log
+
+
 def _readme_log_lines() -> list:
     block = re.search(r"<!-- vllm-log -->\s*```\n(.*?)```", README.read_text(), re.S).group(1)
     return block.strip().splitlines()

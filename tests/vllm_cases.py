@@ -413,3 +413,40 @@ def _count_transports(vdcp, ps) -> Counter:
     counted(vdcp.DirectDCPA2AWorkspace, "lse_reduce", "vLLM: direct workspace combine")
     counted(vdcp.DirectDCPQGatherWorkspace, "gather", "vLLM: direct workspace query gather")
     return calls
+
+
+def non_mla_impl_before_capture(state, seed: int) -> dict:
+    """vLLM's FlashAttention impl binds the combine when the layers are built: the plugin builds
+    its communicator there, so the first combine inside a (simulated) capture builds nothing; a
+    geometry never built is served by vLLM's own instead of failing in capture."""
+    vllm, lines = _fresh_vllm("current", True)
+    from vllm.distributed.parallel_state import get_dcp_group
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    hn, D = 2, 64
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(dcp_comm_backend="a2a"),
+                                   max_num_tokens=MAX_TOKENS)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as vLLM's model loader does around the layers
+    try:
+        impl = FlashAttentionImpl(hn, D, config)
+    finally:
+        torch.set_default_dtype(before)
+    built = len(dropin._comms)
+    outs, lses = make_inputs(seed, n, B, n * hn, D, torch.bfloat16)
+    other, other_lses = make_inputs(seed + 1, n, B, n * hn, 32, torch.bfloat16)
+    capturing = dropin.capturing
+    dropin.capturing = lambda device: True  # in capture from here on: nothing may be built
+    try:
+        y, y_lse = impl.context_combine(outs[rank], lses[rank])
+        ours_calls = dict(vllm.CALLS)
+        y_other = impl.dcp_combine(other[rank], other_lses[rank], get_dcp_group(), return_lse=True)[0]
+    finally:
+        dropin.capturing = capturing
+    result = {"built_at_init": built, "comms_after": len(dropin._comms), "calls_ours": ours_calls,
+              "calls_after": dict(vllm.CALLS), "log": lines,
+              "err": max_rel_error(y, chunk_reference(outs, lses, rank, hn, True)[0]),
+              "err_other": max_rel_error(y_other, chunk_reference(other, other_lses, rank, hn, True)[0])}
+    dropin.close_all()
+    return result
