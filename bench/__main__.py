@@ -342,7 +342,7 @@ def main(argv=None) -> None:
 
         print("plots:", ", ".join(plot(path, args.out)))
     except ImportError:
-        print("plots: not drawn (matplotlib missing: pip install -e '.[bench]')")
+        print("plots: not drawn (matplotlib missing: pip install matplotlib)")
     print(format_table(rows))
     if not cuda:
         print(CPU_NOTE)
