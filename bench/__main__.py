@@ -333,7 +333,10 @@ def main(argv=None) -> None:
     _append_csv(os.path.join(args.out, "results.csv"),
                 [{**r, "date": info["date"], "git_commit": info["git_commit"]} for r in rows])
     path = os.path.join(args.out, "results.json")
-    runs_json = json.load(open(path)) if os.path.exists(path) else []  # older files may hold bare NaN
+    runs_json = []
+    if os.path.exists(path):
+        with open(path) as f:
+            runs_json = json.load(f)  # older files may hold bare NaN
     runs_json.append({"provenance": info, "rows": rows})
     with open(path, "w") as f:
         json.dump(strict_json(runs_json), f, indent=1, allow_nan=False)
@@ -381,7 +384,8 @@ def kept_results(folder: str = RESULTS) -> str:
         path = os.path.join(folder, kind, "results.json")
         if not os.path.exists(path):
             continue
-        run = json.load(open(path))[-1]
+        with open(path) as f:
+            run = json.load(f)[-1]
         keys = {key for *_, key, _ in COLUMNS}  # (rows of older runs lack some columns)
         prov = run["provenance"]
         rows = [{**dict.fromkeys(keys), "op": "combine", "query_dim": r["head_dim"], **r} for r in run["rows"]
@@ -511,7 +515,7 @@ def _field(key: str) -> tuple:
 # (which decides whether the cell has a value) and how the cell is written.
 COLUMNS = [
     ("N", "", 2, *_field("world")), ("backend", "", 7, *_field("backend")), ("op", "", 7, *_field("op")),
-    ("D|Dq", "", 4, "head_dim", _dims),
+    ("D|Dq", "", 7, "head_dim", _dims),
     ("B", "tokens", 4, *_field("B")), ("mode", "", 6, *_field("mode")), ("size", "bytes", 9, *_field("size_bytes")),
     ("med", "us", 8, *_number("median_us", ".1f")), ("p10", "us", 7, *_number("p10_us", ".1f")),
     ("p90", "us", 7, *_number("p90_us", ".1f")), ("mark", "us", 5, *_number("mark_us", ".1f")),

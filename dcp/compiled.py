@@ -112,11 +112,13 @@ def compile_ptx(variant: Variant, capability: int) -> tuple:
             sig[name] = "i32"
     aligned = [p for p in ("po", "y", "send", "recv") if p in variant.pointers]  # rows: 16-byte aligned
     attrs = {(kernel.arg_names.index(p),): [["tt.divisibility", 16]] for p in aligned}
-    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
-                    constexprs={(kernel.arg_names.index(c),): v for c, v in variant.constexprs.items()})
-    options = dict(variant.options)
-    if capability < 90:
+    options, constexprs = dict(variant.options), dict(variant.constexprs)
+    if capability < 90:  # no programmatic dependent launch before Hopper: the communicator turns it off
         options["launch_pdl"] = False
+        if "PDL" in constexprs:
+            constexprs["PDL"] = False
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
+                    constexprs={(kernel.arg_names.index(c),): v for c, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     return compiled.asm["ptx"], compiled.metadata
 

@@ -23,7 +23,8 @@ from dcp.compiled import ARCHES, hot_variants, judge
 # 3.8; the compiled-code checks under Triton 3.6, 3.8 and 3.9.
 TESTED = {"torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 9))}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-QUERY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+QUERY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
+                "fp8_e5m2": torch.float8_e5m2}
 
 
 def _release(version: str) -> tuple:

@@ -89,7 +89,8 @@ class ChannelLayout:
         """Units of a tile under ``warps`` per program (rows of the combine, ``chunk_words``-word
         chunks of the gather): [peers, units, columns] blocks of 4 KiB a warp."""
         if not self.lse:  # one [units, columns] block, stored to each peer: at most 2 KiB a warp
-            return max(1, min(64 * self.chunks, 2048 * warps // (max(4, self.padded_peers) * self.chunk_words),
+            most = 1 << ((64 * self.chunks).bit_length() - 1)  # at most 64 rows, a power of two of units
+            return max(1, min(most, 2048 * warps // (max(4, self.padded_peers) * self.chunk_words),
                               _next_pow2(self.rows_max * self.chunks)))
         return max(1, min(64, 2048 * warps // (self.padded_peers * self.padded_dim * self.value_words),
                           _next_pow2(self.rows_max)))

@@ -24,6 +24,7 @@ Where an expected symbol is missing it says so and leaves that part of vLLM unto
 import functools
 import importlib
 import importlib.abc
+import importlib.machinery
 import inspect
 import logging
 import os
@@ -34,6 +35,7 @@ import torch
 
 from dcp import vllm as dropin
 from dcp.comm import DcpAllToAll, combine_geometry_error, query_geometry_error
+from dcp.errors import DcpError
 
 # A child of vLLM's logger, so that its lines appear in vLLM's log.
 log = logging.getLogger("vllm.dcp_a2a")
@@ -75,41 +77,51 @@ def register() -> None:
     for module_name, _ in IMPLS:  # patched when vLLM imports them (importing them here would be heavy)
         if module_name in sys.modules:
             _patch_impls(sys.modules[module_name])
-    if not any(isinstance(f, _ImplFinder) for f in sys.meta_path):
+    if not any(type(f).__name__ == "_ImplFinder" for f in sys.meta_path):  # (one, even after a reload)
         sys.meta_path.insert(0, _ImplFinder())
 
 
 class _ImplFinder(importlib.abc.MetaPathFinder):
-    """Patches an attention backend module of ``IMPLS`` right after it executes."""
+    """Patches an attention backend module of ``IMPLS`` right after it executes: the file system's
+    spec for it, its loader wrapped for that one module. (A module found some other way loads
+    unpatched: its combine is then built on first use, or served by vLLM's own in capture.)"""
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in dict(IMPLS):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                loader, run = spec.loader, spec.loader.exec_module
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec
 
-                def exec_module(module, run=run):
-                    run(module)
-                    _patch_impls(module)
 
-                loader.exec_module = exec_module
-                return spec
-        return None
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _patch_impls(module)
+
+    def __getattr__(self, name):  # get_source, get_code, ... as the wrapped loader has them
+        return getattr(self.loader, name)
 
 
 def _patch_impls(module) -> None:
     """Wrap the module's attention implementation so that building one builds its communicator."""
-    cls = getattr(module, dict(IMPLS)[module.__name__], None)
-    if cls is None or _MARK in cls.__dict__:
-        if cls is None:
-            log.warning("dcp_a2a: %s has no %s; its combine is built on first use", module.__name__,
-                        dict(IMPLS)[module.__name__])
+    name = dict(IMPLS)[module.__name__]
+    cls = getattr(module, name, None)
+    original = getattr(cls, "__dict__", {}).get("__init__")
+    if original is None:
+        log.warning("dcp_a2a: %s has no %s with an __init__ of its own; its combine is built on first use",
+                    module.__name__, name)
         return
-    original = cls.__dict__["__init__"]
+    if _MARK in cls.__dict__:
+        return
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
@@ -136,7 +148,10 @@ def _impl_comm(impl) -> None:
     if why is None:
         tokens = dropin.max_tokens_from_env() if os.environ.get("DCP_A2A_MAX_TOKENS") else (
             getattr(impl, "_dcp_max_num_tokens", 0) or dropin.DEFAULT_MAX_TOKENS)
-        comm = dropin.communicator(group, heads, d, dtype, max_tokens=tokens)
+        try:
+            comm = dropin.communicator(group, heads, d, dtype, max_tokens=tokens)
+        except DcpError as exc:  # raised alike on every rank: every rank leaves it to vLLM's own
+            why = f"construction failed: {exc}"
     if key not in _logged:
         _logged.add(key)
         if why is None:

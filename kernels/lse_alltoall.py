@@ -410,9 +410,9 @@ def lse_alltoall_kernel(
                     n_same += (got == want).to(tl.int32)
                     n_gave_up += _gave_up(got, e).to(tl.int32)
                 waited = _now(t) - start
-                tile_code = tl.where(n_same == N, -1, tl.where(n_arrived == N, tl.where(n_gave_up > 0, _TIMEOUT,
-                                                                                         _MISMATCH),
-                                                               tl.where(waited > timeout, _TIMEOUT, 0)))
+                # (a source that gave up on this call fails it at once, as a timeout)
+                tile_code = tl.where(n_same == N, -1, tl.where(n_gave_up > 0, _TIMEOUT, tl.where(
+                    n_arrived == N, _MISMATCH, tl.where(waited > timeout, _TIMEOUT, 0))))
                 # A sender of another call (another B, or a call that moves no data) may never
                 # publish this tile; its tile 0 always exists, so it shows there. Looked at only
                 # once the wait is not short, so the fast spin reads nothing else.

@@ -242,3 +242,21 @@ def test_the_docstrings_are_enough_to_use_the_api():
         assert fact in reduce_doc, fact
     gather_doc = " ".join(inspect.getdoc(DcpAllToAll.all_gather_heads).split())
     assert "bit for bit" in gather_doc and "head-sliced view" in gather_doc
+
+
+def test_every_tiling_is_a_power_of_two_of_whole_units():
+    """tl.arange needs powers of two: rows per tile (the combine) and chunks per tile (the gather),
+    for every group size, row width (16-bit words, multiples of 8), warps and max_tokens; a
+    gather chunk is a power of two of at least 8 words that divides its row."""
+    from dcp.protocol import ChannelLayout
+
+    for n in range(2, 9):
+        for words in range(8, 1025, 8):
+            for max_tokens in (1, 4, 64, 512):
+                for lse in (True, False):
+                    lay = ChannelLayout(n, 16, words, max_tokens, lse=lse)
+                    for w in (1, 2, 4, 8, 16):
+                        units = lay.rows_per_tile(w)
+                        assert units & (units - 1) == 0, (n, words, max_tokens, lse, w, units)
+                    cw = lay.chunk_words  # the combine: one padded block a row; the gather: whole chunks
+                    assert cw & (cw - 1) == 0 and (cw >= words if lse else words % cw == 0 and cw >= 8), (words, cw)

@@ -44,6 +44,13 @@ def test_arch_compiles_every_variant_writes_ptx_and_json(tmp_path):
     assert report["geometry"]["world_size"] == 3 and report["versions"]["torch"] == torch.__version__
 
 
+def test_before_hopper_the_variants_compile_without_programmatic_launch(tmp_path):
+    """sm_80 has no griddepcontrol: the communicator turns PDL off there, and so does the doctor."""
+    assert doctor.main(["--arch", "sm_80", "--world-size", "2", "--ptx-dir", str(tmp_path)]) == 0
+    ptx = [p.read_text() for p in tmp_path.glob("*.ptx")]
+    assert ptx and not any("griddepcontrol" in p for p in ptx)
+
+
 def test_a_bad_verdict_exits_1(monkeypatch, capsys):
     """The verdict decides the exit status: a variant whose rows lost their vectors fails."""
     real = doctor.judge
