@@ -218,9 +218,10 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--query-dtype", choices=["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"],
                    default="bfloat16", help="query dtype of the gather")
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"] if cuda else ["triton"],
-                   choices=["triton", "nccl"],
+                   choices=["triton", "pull", "nccl"],
                    metavar="BACKEND",
-                   help="triton (fused push into peers' buffers) and/or nccl (pack, the process group's "
+                   help="triton (the fused kernel pushing into peers' buffers), pull (the same kernel, each "
+                        "rank reading its rows from its peers' buffers) and/or nccl (pack, the process group's "
                         "all-to-all, combine; named gloo where the group runs gloo, as without a GPU)")
     p.add_argument("--modes", nargs="+", default=MODES if cuda else ["eager"], choices=MODES, metavar="MODE",
                    help="eager (plain calls), graph (a CUDA graph of one call), graph8 (a graph of 8 calls, "
@@ -239,6 +240,7 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
 
 
 OPS = ["combine", "gather", "layer"]
+FUSED = ("triton", "pull")  # the fused kernel's transports (push, named triton, and pull); the rest is the baseline
 
 
 def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
@@ -248,10 +250,10 @@ def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
     for n in worlds:
         shared = cuda and gpus < n  # ranks share a GPU; NCCL refuses two ranks on one GPU
         pg = "gloo" if shared or not cuda else "nccl"
-        run = [b for b in backends if not (b == "triton" and n > MAX_PEERS or b == "nccl" and shared)]
+        run = [b for b in backends if not (b in FUSED and n > MAX_PEERS or b == "nccl" and shared)]
         rest = f"{' and '.join(pg if b == 'nccl' else b for b in run)} only" if run else "nothing runs"
-        if "triton" in backends and "triton" not in run:
-            notes.append(f"N={n}: triton not run (the triton path serves up to {MAX_PEERS} ranks); {rest}")
+        for b in [b for b in backends if b in FUSED and b not in run]:
+            notes.append(f"N={n}: {b} not run (the triton path serves up to {MAX_PEERS} ranks); {rest}")
         if "nccl" in backends and "nccl" not in run:
             notes.append(f"N={n}: nccl not run ({n} ranks share {gpus} GPU(s); NCCL refuses two ranks on one GPU); "
                          f"{rest}")
@@ -484,7 +486,7 @@ def _fill_speedups(rows: list) -> None:
     """baseline_us and speedup (the baseline's time / this time) on the rows of every point where the
     nccl backend ran (the baseline, named by its process group's backend: nccl, or gloo)."""
     point = lambda r: (r["world"], r["head_dim"], r["B"], r["mode"], r.get("op", "combine"))
-    baseline = {point(r): r["median_us"] for r in rows if r["backend"] != "triton"}
+    baseline = {point(r): r["median_us"] for r in rows if r["backend"] not in FUSED}
     for r in rows:
         t = baseline.get(point(r))
         if t is not None:
@@ -531,7 +533,7 @@ COLUMNS = [
 def format_table(rows: list) -> str:
     """Header, units, a line per row. A column that has no value in any row is left out (on the CPU
     tier: the device timers', the floor's and held); a cell without a value reads -."""
-    baseline = next((r["backend"] for r in rows if r["backend"] != "triton"), "nccl")
+    baseline = next((r["backend"] for r in rows if r["backend"] not in FUSED), "nccl")
     columns = [(head.format(baseline=baseline), unit, width, key, cell) for head, unit, width, key, cell in COLUMNS
                if any(not missing(r[key]) for r in rows)]
     columns = [(head, unit, max(width, len(head), len(unit)), key, cell) for head, unit, width, key, cell in columns]

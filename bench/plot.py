@@ -87,13 +87,13 @@ def plot(results_json: str = "results/results.json", out_dir: str = "results") -
     runs = json.load(open(results_json))
     run = runs[-1]
     rows, prov = run["rows"], run["provenance"]
-    baseline = next((r["backend"] for r in rows if r["backend"] != "triton"), "nccl")
+    baseline = next((r["backend"] for r in rows if r["backend"] not in ("triton", "pull")), "nccl")
     written = []
     for metric, ylabel, fname in (("median_us", "median time per call (us)", FIGURES[0]),
                                   ("speedup", f"speedup over {baseline} (x)", FIGURES[1])):
         series = {}
         for r in rows:
-            if not missing(r.get(metric)) and (metric != "speedup" or r["backend"] == "triton"):
+            if not missing(r.get(metric)) and (metric != "speedup" or r["backend"] in ("triton", "pull")):
                 op = r.get("op", "combine")
                 key = (r["world"], r["head_dim"], r["mode"], r["backend"], op,
                        f"Dq={r.get('query_dim')}" if op == "gather" else f"D={r['head_dim']}")

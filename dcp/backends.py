@@ -39,14 +39,17 @@ def compile_options(warps: int, pdl: bool = False) -> dict:
     return dict(num_warps=warps, launch_pdl=pdl, maxnreg=min(255, 65536 // (32 * warps)), enable_fp_fusion=True)
 
 
-def fused_variants(layouts: dict, region: ChannelRegion, gpu_scope: bool, trace: bool, pdl: bool) -> dict:
+def fused_variants(layouts: dict, region: ChannelRegion, gpu_scope: bool, trace: bool, pdl: bool,
+                   pull: bool = False) -> dict:
     """(kind, warps) -> (constexprs, options) of every fused-kernel tiling a communicator loads
-    (``layouts``: kind -> ChannelLayout on ``region``); ``pdl``: where the GPU has it."""
+    (``layouts``: kind -> ChannelLayout on ``region``); ``pdl``: where the GPU has it; ``pull``:
+    the pull transport's variants."""
     variants = {}
     for kind, layout in layouts.items():
         for w in layout.tilings:
             early = pdl and layout.launches_early(w)
-            variants[kind, w] = (dict(region.constexprs(layout, w), GPU_SCOPE=gpu_scope, TRACE=trace, PDL=early),
+            variants[kind, w] = (dict(region.constexprs(layout, w), GPU_SCOPE=gpu_scope, TRACE=trace, PDL=early,
+                                      PULL=pull),
                                  compile_options(w, early))
     return variants
 
@@ -120,13 +123,15 @@ class _Launcher:
 
 
 class TritonTransport:
-    """One fused kernel per call pushing into peers' symmetric buffers (docs/design.md, section 2)."""
-
-    name = "triton"
+    """One fused kernel per call on the ranks' symmetric buffers (docs/design.md, section 2): it
+    pushes packed rows into peers' buffers (``triton``, the push), or stages them in its own and
+    each rank reads its rows from its peers' (``pull``: for fabrics where peer writes collapse)."""
 
     def __init__(self, group: dist.ProcessGroup, layouts: dict, region: ChannelRegion, device: torch.device,
-                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool, pdl: bool):
+                 channels: int, timeout_s: float, max_programs: int, gpu_scope: bool, trace: bool, pdl: bool,
+                 pull: bool = False):
         """``layouts``: kind (KIND_COMBINE, KIND_GATHER) -> its ChannelLayout on ``region``."""
+        self.name = "pull" if pull else "triton"
         self.group, self.layout, self.region, self.device = group, layouts[KIND_COMBINE], region, device
         self.rank = dist.get_rank(group)
         self.no_meta = no_metadata(device)
@@ -135,7 +140,7 @@ class TritonTransport:
         # its tiling's launcher and its grid, at most ``max_programs`` (all of them resident at once)
         # and never more than tiles.
         self.fused = {key: _Launcher(kernel, device, constexprs, options) for key, (constexprs, options)
-                      in fused_variants(layouts, region, gpu_scope, trace, pdl).items()}
+                      in fused_variants(layouts, region, gpu_scope, trace, pdl, pull).items()}
         self.plan = {}
         for kind, layout in layouts.items():
             self.plan[kind] = [(self.fused[kind, w], min(layout.tiles(n, w), max_programs, EPOCH_STRIDE))

@@ -24,7 +24,7 @@ LSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 META_DTYPES = (torch.int32, torch.int64)
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
-BACKENDS = ("auto", "triton", "nccl")
+BACKENDS = ("auto", "triton", "push", "pull", "nccl")  # "push" is another name of "triton"
 MAX_HEAD_DIM = 1024
 DEFAULT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}
 MAX_TIMEOUT_S = 86400.0
@@ -131,8 +131,10 @@ class DcpAllToAll:
       tokens is one kernel launch; a larger one runs in chunks of ``max_tokens`` inside the call.
     - ``device``: default the current CUDA device, else the CPU (Triton's interpreter).
 
-    Transport: ``backend`` ``"triton"`` (one fused kernel pushing into peers' buffers; one host,
-    peer access, at most 8 ranks), ``"nccl"`` (pack, the group's all-to-all, combine) or ``"auto"``
+    Transport: ``backend`` ``"triton"`` or ``"push"`` (one fused kernel pushing into peers' buffers;
+    one host, peer access, at most 8 ranks), ``"pull"`` (the same kernel staging rows in this rank's
+    own buffer, each rank reading its rows from its peers': for fabrics where peer writes
+    collapse), ``"nccl"`` (pack, the group's all-to-all, combine) or ``"auto"``
     (triton wherever every rank can run it, else nccl, decided by all ranks together); ``None`` reads
     ``DCP_A2A_BACKEND`` (default ``auto``). After construction ``backend`` names the transport
     chosen and ``backend_reason`` why.
@@ -172,6 +174,7 @@ class DcpAllToAll:
         # Every argument is checked here and the verdict agreed on by all ranks before any rank
         # acts on it, so that a bad argument on one rank fails construction on every rank alike.
         requested = backend if backend is not None else os.environ.get("DCP_A2A_BACKEND", "auto")
+        requested = "triton" if requested == "push" else requested
         self.dtype, self.num_warps, self.max_programs, self.pdl = dtype, num_warps, max_programs, pdl
         self.max_tokens = self.num_heads = self.head_dim = self.channels = self.query_dim = 0
         self.query_dtype = query_dtype if query_dtype is not None else dtype
@@ -348,17 +351,17 @@ class DcpAllToAll:
         if requested == "auto" and obstacle is None:
             views = all_gather(self.group, self._p2p_obstacle(devices))
             obstacle = next((v for v in views if v), None)
-        if requested == "triton" and obstacle is not None:
-            raise DcpError(f"backend='triton' cannot serve this group: {obstacle}")
+        if requested in ("triton", "pull") and obstacle is not None:
+            raise DcpError(f"backend={requested!r} cannot serve this group: {obstacle}")
         transport, reason = None, "requested" if requested == "nccl" else obstacle
         if requested != "nccl" and obstacle is None:
             try:
                 transport = TritonTransport(self.group, self._layouts, self.region, self.device, self.channels,
                                             self.timeout_s, self.max_programs, self._gpu_scope(),
-                                            self.tracing, self.pdl)
-                reason = "requested" if requested == "triton" else "every rank reaches every peer's buffer"
+                                            self.tracing, self.pdl, pull=requested == "pull")
+                reason = "requested" if requested in ("triton", "pull") else "every rank reaches every peer's buffer"
             except DcpError as exc:  # raised on every rank alike: the fallback is collective too
-                if requested == "triton" or isinstance(exc, DcpPeerLostError):
+                if requested in ("triton", "pull") or isinstance(exc, DcpPeerLostError):
                     raise
                 reason = f"buffer setup failed: {exc}"
         if transport is None:
@@ -771,7 +774,7 @@ class DcpAllToAll:
         combined them. Programs that did not run are zero. Synchronizes the device.
         """
         self._check_open()
-        if not self.tracing or self.backend != "triton":
+        if not self.tracing or self.backend not in ("triton", "pull"):
             raise DcpError("tracing is off: construct with DCP_A2A_TRACE=1 and the triton backend")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

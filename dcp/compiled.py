@@ -67,11 +67,12 @@ class Verdict:
 
 def hot_variants(world: int, heads_per_rank: int, head_dim: int, query_dim: int, dtype: torch.dtype,
                  query_dtype: torch.dtype, max_tokens: int = 512, programs: int = 132,
-                 gpu_scope: bool = False, pdl: bool = True) -> list:
+                 gpu_scope: bool = False, pdl: bool = True, transports: tuple = ("push", "pull")) -> list:
     """The aligned variants a communicator of this geometry loads: the fused kernel in every tiling
-    of both collectives, and the NCCL path's pack and combine kernels. ``programs``: the grid each
-    rank keeps (``DcpAllToAll``'s default: the GPU's SMs over the ranks sharing it); ``gpu_scope``:
-    every rank on one GPU; ``pdl``: the GPU has programmatic dependent launch (9.0 and up)."""
+    of both collectives for each of ``transports`` (push, pull), and the NCCL path's pack and
+    combine kernels. ``programs``: the grid each rank keeps (``DcpAllToAll``'s default: the GPU's
+    SMs over the ranks sharing it); ``gpu_scope``: every rank on one GPU; ``pdl``: the GPU has
+    programmatic dependent launch (9.0 and up)."""
     lay = ChannelLayout(world, heads_per_rank, head_dim, max_tokens, programs=programs,
                         value_words=dtype.itemsize // 2)
     gl = ChannelLayout(world, heads_per_rank, query_dim * query_dtype.itemsize // 2, max_tokens, programs=programs,
@@ -79,13 +80,15 @@ def hot_variants(world: int, heads_per_rank: int, head_dim: int, query_dim: int,
     k = build_kernels(interpret=False)
     val = "*" + _TRITON_TYPES[dtype]
     out = []
-    for (kind, warps), (constexprs, options) in fused_variants({KIND_COMBINE: lay, KIND_GATHER: gl},
-                                                                ChannelRegion((lay, gl)), gpu_scope, False,
-                                                                pdl).items():
-        rows = val if kind == KIND_COMBINE else "*i16"  # the gather moves 16-bit words
-        name = f"{'combine' if kind == KIND_COMBINE else 'gather'} w{warps}{' pdl' if options['launch_pdl'] else ''}"
-        out.append(Variant(name, k.fused, {"po": rows, "lse": "*fp32", "y": rows, "y_lse": "*fp32", "ctl": "*i64"},
-                           dict(constexprs, ALIGNED=True), options))
+    for transport in transports:
+        for (kind, warps), (constexprs, options) in fused_variants({KIND_COMBINE: lay, KIND_GATHER: gl},
+                                                                    ChannelRegion((lay, gl)), gpu_scope, False, pdl,
+                                                                    transport == "pull").items():
+            rows = val if kind == KIND_COMBINE else "*i16"  # the gather moves 16-bit words
+            name = (f"{transport} {'combine' if kind == KIND_COMBINE else 'gather'} w{warps}"
+                    f"{' pdl' if options['launch_pdl'] else ''}")
+            out.append(Variant(name, k.fused, {"po": rows, "lse": "*fp32", "y": rows, "y_lse": "*fp32",
+                                               "ctl": "*i64"}, dict(constexprs, ALIGNED=True), options))
     w = SMALL_CALL_WARPS
     common = dict(lay.tile_constexprs(w), ALIGNED=True)
     out.append(Variant(f"nccl pack w{w}", k.pack, {"po": val, "lse": "*fp32", "send": "*i32"}, common,

@@ -135,7 +135,7 @@ def main(argv: Optional[list] = None) -> int:
                                 QUERY_DTYPES[a.query_dtype], a.max_tokens, programs, gpu_scope, pdl=True)
         print(f"kernel variants of N = {a.world_size}, {a.heads_per_rank} heads per rank, D = {a.head_dim} {a.dtype}, "
               f"Dq = {a.query_dim} {a.query_dtype}, max_tokens {a.max_tokens} (Triton {triton.__version__}):")
-        print(f"  {'arch':<7} {'variant':<22} {'v4 st':>5} {'v4 ld':>5} {'2-byte':>6} {'spill':>5} {'regs':>4} "
+        print(f"  {'arch':<7} {'variant':<27} {'v4 st':>5} {'v4 ld':>5} {'2-byte':>6} {'spill':>5} {'regs':>4} "
               f"{'smem':>6}  verdict")
         if a.ptx_dir:
             a.ptx_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +143,7 @@ def main(argv: Optional[list] = None) -> int:
             for v in variants:
                 r = judge(v, cap)
                 report["verdicts"].append(r.as_dict())
-                print(f"  {r.arch:<7} {r.variant:<22} {r.vector_stores:>5} {r.vector_loads:>5} {r.scalar_16bit:>6} "
+                print(f"  {r.arch:<7} {r.variant:<27} {r.vector_stores:>5} {r.vector_loads:>5} {r.scalar_16bit:>6} "
                       f"{r.spill_bytes:>5} {r.registers:>4} {r.shared_bytes:>6}  {'ok' if r.ok else 'BAD: '}"
                       f"{'; '.join(r.problems)}")
                 if a.ptx_dir:

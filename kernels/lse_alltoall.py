@@ -186,20 +186,26 @@ def _load_chunks(q, t, n_units, c_off, s_q_b, s_q_h, HN: tl.constexpr, CHUNKS: t
                    mask=umask[:, None])
 
 
-def _store_chunks(ctl, to_slot, t, vals, n_units, c_off, N: tl.constexpr, CW: tl.constexpr, BLOCK_R: tl.constexpr,
-                  RECV_OFF: tl.constexpr):
+def _store_chunks(ctl, local, to_slot, stage, t, vals, n_units, c_off, N: tl.constexpr, CW: tl.constexpr,
+                  BLOCK_R: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
     """Store one tile of chunks at its place in every peer's receive slot (``to_slot``: this rank's
     rows there, in 16-bit words past RECV_OFF), peer by peer from the same registers: no padding
-    peers. Gather rows are whole 16-byte vectors, so chunk u sits at word u * CW of the rows."""
+    peers; or, pulled, once in this rank's own slot (``stage``), where every peer reads it. Gather
+    rows are whole 16-byte vectors, so chunk u sits at word u * CW of the rows."""
     u = t * BLOCK_R + tl.arange(0, BLOCK_R)
     off = u.to(tl.int64)[:, None] * CW + c_off[None, :]
-    for s in tl.static_range(N):
-        dst = tl.multiple_of(tl.load(ctl + s).to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + to_slot)
-        tl.store(dst + off, vals, mask=(u < n_units)[:, None])
+    if PULL:
+        tl.store(tl.multiple_of(local.to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + stage) + off, vals,
+                 mask=(u < n_units)[:, None])
+    else:
+        for s in tl.static_range(N):
+            dst = tl.multiple_of(tl.load(ctl + s).to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + to_slot)
+            tl.store(dst + off, vals, mask=(u < n_units)[:, None])
 
 
-def _copy_chunks(src16, t, n_units, src_stride, y, s_y_b, s_y_h, c_off, ok, N: tl.constexpr, HN: tl.constexpr,
-                 CHUNKS: tl.constexpr, CW: tl.constexpr, BLOCK_R: tl.constexpr):
+def _copy_chunks(src16, t, n_units, src_stride, ctl, to_me, y, s_y_b, s_y_h, c_off, ok, N: tl.constexpr,
+                 HN: tl.constexpr, CHUNKS: tl.constexpr, CW: tl.constexpr, BLOCK_R: tl.constexpr,
+                 RECV_OFF: tl.constexpr, PULL: tl.constexpr):
     """The gather's finish: source s's rows land at heads [s * HN, (s + 1) * HN) of the output,
     bit for bit; where the call failed (``ok`` false), all-ones words (NaN in every float type)."""
     u, umask, tok, hh, part = _chunk_units(t, n_units, HN, CHUNKS, BLOCK_R)
@@ -207,14 +213,33 @@ def _copy_chunks(src16, t, n_units, src_stride, y, s_y_b, s_y_h, c_off, ok, N: t
     for s in tl.static_range(N):
         dst = y + tok[:, None] * s_y_b + (s * HN + hh)[:, None] * s_y_h + (part * CW)[:, None] + c_off[None, :]
         if ok:
-            tl.store(dst, tl.load(src16 + s * src_stride + u[:, None] * CW + c_off[None, :], mask=omask), mask=omask)
+            src = _source(s, src16, src_stride, ctl, to_me, RECV_OFF, PULL)
+            tl.store(dst, tl.load(src + u[:, None] * CW + c_off[None, :], mask=omask), mask=omask)
         else:
             tl.store(dst, tl.full([BLOCK_R, CW], -1, tl.int16), mask=omask)
 
 
-def _load_lse(src32, row, rmask, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
+def _source(s, src16, src_stride, ctl, to_me, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
+    """Where source s's rows of this call start (16-bit words): ``src_stride`` words apart from
+    ``src16`` in this rank's slot (pushed, and the NCCL path's buffer), or, pulled, in s's own
+    region, ``to_me`` words into its receive area."""
+    if PULL:
+        return tl.multiple_of(tl.load(ctl + s).to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + to_me)
+    return src16 + s * src_stride
+
+
+def _source_flags(s, flags, ctl, slot, N: tl.constexpr, TILES_MAX: tl.constexpr, FLAG_OFF: tl.constexpr,
+                  PULL: tl.constexpr):
+    """Source s's flags of this slot: in this rank's region (pushed) or in s's own (pulled)."""
+    if PULL:
+        return (tl.load(ctl + s) + FLAG_OFF).to(tl.pointer_type(tl.int64)) + (slot * N + s) * TILES_MAX
+    return flags + s * TILES_MAX
+
+
+def _load_lse(src, row, rmask, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
     """The fp32 LSE of packed rows; NaN and +inf count as -inf (that rank saw no keys)."""
-    lv = tl.load(src32 + (row * ROW + LSE_OFF) // 2, mask=rmask, other=float("-inf"))
+    lv = tl.load((src + row * ROW + LSE_OFF).to(tl.pointer_type(tl.float32), bitcast=True), mask=rmask,
+                 other=float("-inf"))
     return tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
 
 
@@ -228,10 +253,10 @@ def _round_to(acc, out_ty: tl.constexpr):
     return acc.to(out_ty, fp_downcast_rounding="rtne")
 
 
-def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
+def _combine_rows(src16, row0, src_stride, ctl, to_me, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
                   N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
-                  LSE_OFF: tl.constexpr):
-    """LSE-weighted combine of the packed rows of N sources (source s at row0 + s * src_stride).
+                  LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
+    """LSE-weighted combine of rows ``row0`` of N sources (``_source``: where each one's are).
 
     Source by source in [BLOCK_R, DP] blocks, in the layout of the output: a reduction over a peer
     axis would go through shared memory. The loads do not depend on each other, so they overlap.
@@ -242,38 +267,40 @@ def _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask,
     few words per row, from cache.
     """
     out_ty = y_ptrs.dtype.element_ty
-    src32 = src16.to(tl.pointer_type(tl.float32), bitcast=True)
+    row = row0
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in tl.static_range(N):
-        m = tl.maximum(m, _load_lse(src32, row0 + s * src_stride, rmask, ROW, LSE_OFF))
+        m = tl.maximum(m, _load_lse(_source(s, src16, src_stride, ctl, to_me, RECV_OFF, PULL), row, rmask, ROW,
+                                    LSE_OFF))
     m = tl.where(m == float("-inf"), 0.0, m)
     wsum = tl.full([BLOCK_R], 0.0, tl.float32)
     for s in tl.static_range(N):
-        wsum += tl.exp2((_load_lse(src32, row0 + s * src_stride, rmask, ROW, LSE_OFF) - m) * log2_scale)
+        lv = _load_lse(_source(s, src16, src_stride, ctl, to_me, RECV_OFF, PULL), row, rmask, ROW, LSE_OFF)
+        wsum += tl.exp2((lv - m) * log2_scale)
     inv = tl.where(wsum > 0, 1.0 / wsum, 0.0)
     acc = tl.full([BLOCK_R, DP], 0.0, tl.float32)
     omask = rmask[:, None] & cmask[None, :]
     for s in tl.static_range(N):
-        row = row0 + s * src_stride
-        w = tl.exp2((_load_lse(src32, row, rmask, ROW, LSE_OFF) - m) * log2_scale) * inv
+        src = _source(s, src16, src_stride, ctl, to_me, RECV_OFF, PULL)
+        w = tl.exp2((_load_lse(src, row, rmask, ROW, LSE_OFF) - m) * log2_scale) * inv
         if out_ty == tl.float32:  # two 16-bit words a value
-            ov = tl.load((src16 + row[:, None] * ROW).to(tl.pointer_type(tl.float32), bitcast=True)
+            ov = tl.load((src + row[:, None] * ROW).to(tl.pointer_type(tl.float32), bitcast=True)
                          + c_off[None, :], mask=omask, other=0.0)
         else:
-            ov = tl.load(src16 + row[:, None] * ROW + c_off[None, :], mask=omask, other=0).to(out_ty, bitcast=True)
+            ov = tl.load(src + row[:, None] * ROW + c_off[None, :], mask=omask, other=0).to(out_ty, bitcast=True)
         acc += tl.where(w[:, None] > 0, w[:, None] * ov.to(tl.float32), 0.0)
     tl.store(y_ptrs, _round_to(acc, out_ty), mask=omask)
     if write_lse != 0:
         tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
 
 
-def _finish_combine(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok, write_lse, log2_scale,
-                    N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
-                    LSE_OFF: tl.constexpr):
+def _finish_combine(src16, row0, src_stride, ctl, to_me, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok, write_lse,
+                    log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
+                    LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
     """The combine's finish; where the call failed, never leave stale rows: they read as NaN."""
     if ok:
-        _combine_rows(src16, row0, src_stride, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
-                      N, BLOCK_R, DP, ROW, LSE_OFF)
+        _combine_rows(src16, row0, src_stride, ctl, to_me, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse,
+                      log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF, RECV_OFF, PULL)
     else:
         tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(y_ptrs.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
@@ -305,7 +332,7 @@ def lse_alltoall_kernel(
     N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, CW: tl.constexpr, CHUNKS: tl.constexpr,
     ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr, FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, SLOT: tl.constexpr, GATHER: tl.constexpr,
-    ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr, TRACE: tl.constexpr, PDL: tl.constexpr,
+    ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr, TRACE: tl.constexpr, PDL: tl.constexpr, PULL: tl.constexpr,
 ):
     """One launch of a call: ``n_tokens`` tokens of this launch, ``call_tag`` the call's tag (its
     kind and total B; TAG_ABORT or TAG_POISONED with no tokens announce a call that moves no data;
@@ -354,9 +381,15 @@ def lse_alltoall_kernel(
         # paid once per program, not per tile or per peer).
         # (The alignment hint goes on the converted base itself: Triton 3.8 rewrites a converted
         # sum into an offset from the converted base and drops a hint placed on the sum.)
-        to_slot = slot.to(tl.int64) * SLOT + rank.to(tl.int64) * (ROWS_MAX * ROW)
-        dst16 = tl.multiple_of(bases.to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + to_slot)
-        dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int64)) + (slot * N + rank) * TILES_MAX
+        stage = slot.to(tl.int64) * SLOT
+        to_slot = stage + rank.to(tl.int64) * (ROWS_MAX * ROW)
+        if PULL:  # staged in this rank's own region, destination d's rows at d; one flag per tile
+            dst16 = (tl.multiple_of(local.to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + stage)
+                     + peer.to(tl.int64) * (ROWS_MAX * ROW))
+            dst_flags = (local + FLAG_OFF).to(tl.pointer_type(tl.int64)) + (slot * N + rank) * TILES_MAX
+        else:
+            dst16 = tl.multiple_of(bases.to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + to_slot)
+            dst_flags = (bases + FLAG_OFF).to(tl.pointer_type(tl.int64)) + (slot * N + rank) * TILES_MAX
         # Tiles pid, pid + G, ... (a while: the interpreter's range needs ints), each loaded one
         # step ahead so that a load is in flight while the previous tile is stored.
         t = pid
@@ -364,7 +397,7 @@ def lse_alltoall_kernel(
             vals = _load_chunks(po, t, n_push, c_off, s_po_b, s_po_h, HN, CHUNKS, CW, BLOCK_R)
             while t * BLOCK_R < n_push:
                 nvals = _load_chunks(po, t + G, n_push, c_off, s_po_b, s_po_h, HN, CHUNKS, CW, BLOCK_R)
-                _store_chunks(ctl, to_slot, t, vals, n_push, c_off, N, CW, BLOCK_R, RECV_OFF)
+                _store_chunks(ctl, local, to_slot, stage, t, vals, n_push, c_off, N, CW, BLOCK_R, RECV_OFF, PULL)
                 vals = nvals
                 t += G
         else:
@@ -405,7 +438,8 @@ def lse_alltoall_kernel(
                 n_same = 0
                 n_gave_up = 0
                 for s in tl.static_range(N):
-                    got = _load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE)
+                    got = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL) + t,
+                                        GPU_SCOPE)
                     n_arrived += ((got & 0xFFFFFFFF) == e).to(tl.int32)
                     n_same += (got == want).to(tl.int32)
                     n_gave_up += _gave_up(got, e).to(tl.int32)
@@ -420,16 +454,19 @@ def lse_alltoall_kernel(
                 # one that gave up on this call after a timeout fails it as a timeout here too.
                 if (tile_code == 0) & (waited > _MISMATCH_AFTER_NS):
                     for s in tl.static_range(N):
-                        first = _load_relaxed(flags + s * TILES_MAX, GPU_SCOPE)
+                        first = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL),
+                                              GPU_SCOPE)
                         if _gave_up(first, e):
                             tile_code = tl.where(tile_code == _MISMATCH, _MISMATCH, _TIMEOUT)
                         elif (((first & 0xFFFFFFFF) == e) & (first != want)) | ((first >> 32) == _TAG_POISONED):
                             tile_code = _MISMATCH
                 _pause()
             if (tile_code > 0) & (code == 0):
-                _record_failure(status, flags, t, e, tag, tile_code, N, TILES_MAX, GPU_SCOPE)
+                _record_failure(status, flags, ctl, slot, t, e, tag, tile_code, N, TILES_MAX, FLAG_OFF, GPU_SCOPE,
+                                PULL)
                 for s in tl.static_range(N):  # the sources this program missed, for its retraction
-                    got = _load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE)
+                    got = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL) + t,
+                                        GPU_SCOPE)
                     missed |= ((got & 0xFFFFFFFF) != e).to(tl.int32) << s
             code = tl.where(code > 0, code, tile_code)
             # After one failed wait the call is lost: later tiles look once and give up.
@@ -458,16 +495,19 @@ def lse_alltoall_kernel(
         # Finish every tile of this program from local memory: combine, or copy out (gather).
         recv16 = tl.multiple_of(local.to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + slot.to(tl.int64) * SLOT)
         t = pid
+        # Pulled, source s's rows for this rank are in s's region: the gather's at its slot's start,
+        # the combine's at this rank's index there.
+        to_me = stage if GATHER else to_slot
         while t * BLOCK_R < n_rows:
             if GATHER:
-                _copy_chunks(recv16, t, n_rows, ROWS_MAX * ROW, y, s_y_b, s_y_h, c_off, code < 0, N, HN, CHUNKS, CW,
-                             BLOCK_R)
+                _copy_chunks(recv16, t, n_rows, ROWS_MAX * ROW, ctl, to_me, y, s_y_b, s_y_h, c_off, code < 0, N, HN,
+                             CHUNKS, CW, BLOCK_R, RECV_OFF, PULL)
             else:
                 rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
                 y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
                 yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
-                _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX, y_ptrs, yl_ptrs, rmask, c_off, cmask,
-                                code < 0, write_lse, log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF)
+                _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX * ROW, ctl, to_me, y_ptrs, yl_ptrs, rmask, c_off,
+                                cmask, code < 0, write_lse, log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF, RECV_OFF, PULL)
             t += G
         t_combined = _stamp(t, TRACE)
         if code > 0:
@@ -493,8 +533,8 @@ def _gave_up(flag, e):
     return ((flag & 0xFFFFFFFF) == e) & (g <= _TAG_GAVE_UP) & (g > _TAG_GAVE_UP - 256)
 
 
-def _record_failure(status, flags, t, e, tag, code, N: tl.constexpr, TILES_MAX: tl.constexpr,
-                    GPU_SCOPE: tl.constexpr):
+def _record_failure(status, flags, ctl, slot, t, e, tag, code, N: tl.constexpr, TILES_MAX: tl.constexpr,
+                    FLAG_OFF: tl.constexpr, GPU_SCOPE: tl.constexpr, PULL: tl.constexpr):
     """Leave the first failure of a channel where the host reads it: which sources were missing at
     tile t, and the tag each announced (TAG_NONE: nothing of this call arrived from it)."""
     if tl.load(status, volatile=True) == 0:  # the first failure is kept: the channel is poisoned
@@ -502,8 +542,9 @@ def _record_failure(status, flags, t, e, tag, code, N: tl.constexpr, TILES_MAX: 
         tl.store(status + 2, t)
         tl.store(status + 3, tag)
         for s in tl.static_range(N):
-            got = _load_relaxed(flags + s * TILES_MAX + t, GPU_SCOPE)
-            first = _load_relaxed(flags + s * TILES_MAX, GPU_SCOPE)
+            src_flags = _source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL)
+            got = _load_relaxed(src_flags + t, GPU_SCOPE)
+            first = _load_relaxed(src_flags, GPU_SCOPE)
             got_now = (got & 0xFFFFFFFF) == e
             tl.store(status + 4 + s, (~got_now).to(tl.int32))
             first_now = ((first & 0xFFFFFFFF) == e) | ((first >> 32) == _TAG_POISONED)
@@ -537,10 +578,11 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
     n_rows = n_tokens * HN
     rows, rmask, tok, hh = _tile_rows(tl.program_id(0), n_rows, HN, BLOCK_R)
     c_off = tl.arange(0, DP)
-    _combine_rows(tl.multiple_of(recv.to(tl.pointer_type(tl.int16), bitcast=True), 16), rows.to(tl.int64), n_rows,
+    recv16 = tl.multiple_of(recv.to(tl.pointer_type(tl.int16), bitcast=True), 16)
+    _combine_rows(recv16, rows.to(tl.int64), n_rows.to(tl.int64) * ROW, recv, 0,
                   y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :],
                   y_lse + tok * s_yl_b + hh * s_yl_h, rmask, c_off, c_off < D, write_lse, log2_scale,
-                  N, BLOCK_R, DP, ROW, LSE_OFF)
+                  N, BLOCK_R, DP, ROW, LSE_OFF, 0, False)
 
 
 def clock_kernel(out, n):
@@ -610,8 +652,8 @@ def _call_failed_cpu(status, e):
 
 _MODE_HELPERS = ("_load_relaxed", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
 _SHARED_HELPERS = (_tile_rows, _empty_rows, _load_tile, _store_tile, _chunk_units, _load_chunks, _store_chunks,
-                   _copy_chunks, _load_lse, _round_to, _combine_rows, _finish_combine, _stamp, _scale_strides,
-                   _gave_up, _record_failure)
+                   _copy_chunks, _source, _source_flags, _load_lse, _round_to, _combine_rows, _finish_combine,
+                   _stamp, _scale_strides, _gave_up, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse", "tok0", "num_seqs", "s_sl", "s_qsl"]
 _built: dict = {}

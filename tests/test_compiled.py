@@ -10,18 +10,22 @@ import torch
 
 from dcp.compiled import compile_ptx, hot_variants, judge
 
-# (world, query dtype, output dtype, architectures): the hot path's aligned variants of each.
-GEOMETRIES = [(3, torch.bfloat16, torch.bfloat16, (90,)), (6, torch.bfloat16, torch.bfloat16, (90, 100, 120)),
-              (8, torch.bfloat16, torch.bfloat16, (90,)), (3, torch.bfloat16, torch.float32, (90,)),
-              (6, torch.float8_e4m3fn, torch.bfloat16, (90,))]
+# (world, query dtype, output dtype, architectures, transports): the hot path's aligned variants of
+# each (the pull where its PCIe fabrics are: sm_90 and the RTX PRO 6000's sm_120).
+GEOMETRIES = [(3, torch.bfloat16, torch.bfloat16, (90,), ("push",)),
+              (6, torch.bfloat16, torch.bfloat16, (90, 100, 120), ("push",)),
+              (6, torch.bfloat16, torch.bfloat16, (90, 120), ("pull",)),
+              (8, torch.bfloat16, torch.bfloat16, (90,), ("push", "pull")),
+              (3, torch.bfloat16, torch.float32, (90,), ("push",)),
+              (6, torch.float8_e4m3fn, torch.bfloat16, (90,), ("push",))]
 
 
 def _cases():
-    for world, qdt, dt, arches in GEOMETRIES:
-        for v in hot_variants(world, 16, 512, 576, dt, qdt):
-            if (dt == torch.float32 and not v.name.startswith("combine")) or (
-                    qdt != torch.bfloat16 and not v.name.startswith("gather")):
-                continue  # (only what the other dtype changes)
+    for world, qdt, dt, arches, transports in GEOMETRIES:
+        for v in hot_variants(world, 16, 512, 576, dt, qdt, transports=transports):
+            if (dt == torch.float32 and "combine" not in v.name) or (qdt != torch.bfloat16 and "gather" not in v.name) \
+                    or (transports == ("pull",) and v.name.startswith("nccl")):
+                continue  # (only what the other dtype or transport changes)
             for cap in arches:
                 yield pytest.param(v, cap, id=f"N{world}-{str(qdt if qdt != dt else dt)[6:]}-{v.name}-sm{cap}")
 
@@ -34,13 +38,15 @@ def test_hot_variant_has_vector_rows_and_no_spills(variant, cap):
     assert verdict.ok, verdict.problems
 
 
+@pytest.mark.parametrize("transport", ["push", "pull"])
 @pytest.mark.parametrize("scope,warps,pdl", [("sys", 8, False), ("sys", 2, True), ("gpu", 8, True),
                                              ("gpu", 16, False)])
-def test_fused_kernel_synchronizes_at_its_scope_without_atomics_on_peers(scope, warps, pdl):
+def test_fused_kernel_synchronizes_at_its_scope_without_atomics_on_peers(scope, warps, pdl, transport):
     """Flags are relaxed 64-bit stores and loads ordered by fences of one scope; the only
-    read-modify-write is the local epoch advance; nothing traps; PDL waits before the epoch read."""
+    read-modify-write is the local epoch advance (so no P2P atomics, which PCIe pairs may lack);
+    nothing traps; PDL waits before the epoch read."""
     v = next(v for v in hot_variants(6, 16, 512, 576, torch.bfloat16, torch.bfloat16, gpu_scope=scope == "gpu",
-                                      pdl=pdl) if v.name.startswith(f"combine w{warps}"))
+                                      pdl=pdl, transports=(transport,)) if f"combine w{warps}" in v.name)
     v.constexprs["PDL"] = v.options["launch_pdl"] = pdl
     ptx, _ = compile_ptx(v, 90)
     other = {"sys": "gpu", "gpu": "sys"}[scope]
