@@ -133,10 +133,12 @@ def two_threads_one_channel(state, key: str, seed: int) -> dict:
     if comm.rank != 0:
         return {"first": _late_peer_call(comm, seed, 2), "next": _then_poisoned(comm, seed + 1)}
     results: dict = {}
+    # (the refused call's inputs are made first: torch work in this thread while the other one runs
+    # the interpreter stalled here for 20-30 s on 2 cores, past the peers' timeout)
+    _, _, po, pl = _inputs(comm, seed + 5, 2)
     worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2)))
     worker.start()
     _inside_a_call(comm)
-    _, _, po, pl = _inputs(comm, seed + 5, 2)
     refused = _raises(lambda: comm.lse_reduce(po, pl))
     dist.barrier()
     worker.join(60)
@@ -155,10 +157,10 @@ def two_threads_two_channels_cpu(state, key: str, seed: int) -> dict:
         ch1 = _raises(lambda: comm.lse_reduce(po, pl, channel=1, check=True), (DcpMismatchError,))
         return {"first": first, "ch1": ch1, "ch0_after": _checked_call(comm, seed + 3, 3, channel=0)}
     results: dict = {}
+    _, _, po, pl = _inputs(comm, seed + 2, 2)  # (first: as in two_threads_one_channel)
     worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2, channel=0)))
     worker.start()
     _inside_a_call(comm)
-    _, _, po, pl = _inputs(comm, seed + 2, 2)
     refused = _raises(lambda: comm.lse_reduce(po, pl, channel=1))
     dist.barrier()
     worker.join(60)
