@@ -40,6 +40,7 @@ import tempfile
 
 import torch
 
+from dcp.backends import FUSED_TRANSPORTS
 from dcp.protocol import ChannelLayout
 from dcp.spawn import World
 from dcp.kernels import MAX_PEERS
@@ -240,7 +241,6 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
 
 
 OPS = ["combine", "gather", "layer"]
-FUSED = ("triton", "pull")  # the fused kernel's transports (push, named triton, and pull); the rest is the baseline
 
 
 def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
@@ -250,9 +250,9 @@ def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
     for n in worlds:
         shared = cuda and gpus < n  # ranks share a GPU; NCCL refuses two ranks on one GPU
         pg = "gloo" if shared or not cuda else "nccl"
-        run = [b for b in backends if not (b in FUSED and n > MAX_PEERS or b == "nccl" and shared)]
+        run = [b for b in backends if not (b in FUSED_TRANSPORTS and n > MAX_PEERS or b == "nccl" and shared)]
         rest = f"{' and '.join(pg if b == 'nccl' else b for b in run)} only" if run else "nothing runs"
-        for b in [b for b in backends if b in FUSED and b not in run]:
+        for b in [b for b in backends if b in FUSED_TRANSPORTS and b not in run]:
             notes.append(f"N={n}: {b} not run (the triton path serves up to {MAX_PEERS} ranks); {rest}")
         if "nccl" in backends and "nccl" not in run:
             notes.append(f"N={n}: nccl not run ({n} ranks share {gpus} GPU(s); NCCL refuses two ranks on one GPU); "
@@ -486,7 +486,7 @@ def _fill_speedups(rows: list) -> None:
     """baseline_us and speedup (the baseline's time / this time) on the rows of every point where the
     nccl backend ran (the baseline, named by its process group's backend: nccl, or gloo)."""
     point = lambda r: (r["world"], r["head_dim"], r["B"], r["mode"], r.get("op", "combine"))
-    baseline = {point(r): r["median_us"] for r in rows if r["backend"] not in FUSED}
+    baseline = {point(r): r["median_us"] for r in rows if r["backend"] not in FUSED_TRANSPORTS}
     for r in rows:
         t = baseline.get(point(r))
         if t is not None:
@@ -533,7 +533,7 @@ COLUMNS = [
 def format_table(rows: list) -> str:
     """Header, units, a line per row. A column that has no value in any row is left out (on the CPU
     tier: the device timers', the floor's and held); a cell without a value reads -."""
-    baseline = next((r["backend"] for r in rows if r["backend"] not in FUSED), "nccl")
+    baseline = next((r["backend"] for r in rows if r["backend"] not in FUSED_TRANSPORTS), "nccl")
     columns = [(head.format(baseline=baseline), unit, width, key, cell) for head, unit, width, key, cell in COLUMNS
                if any(not missing(r[key]) for r in rows)]
     columns = [(head, unit, max(width, len(head), len(unit)), key, cell) for head, unit, width, key, cell in columns]

@@ -31,6 +31,10 @@ _data_ptr = torch.Tensor.data_ptr
 _INTERPRETER = threading.Lock()
 
 
+# The fused kernel's transports, as ``DcpAllToAll.backend`` names them: the push and the pull.
+FUSED_TRANSPORTS = ("triton", "pull")
+
+
 def compile_options(warps: int, pdl: bool = False) -> dict:
     """Triton's options for a kernel of ``warps`` warps. ``maxnreg``: without a register limit
     ptxas aimed some variants at 40 registers and spilled (docs/design.md, section 5.9); this one

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.kernels import KIND_COMBINE, KIND_GATHER, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
-from dcp.backends import NcclTransport, TritonTransport
+from dcp.backends import FUSED_TRANSPORTS, NcclTransport, TritonTransport
 from dcp.errors import DcpError, DcpPeerLostError
 from dcp.protocol import POISONED_NOTE, ChannelLayout, ChannelRegion, call_tag
 from dcp.rendezvous import agree, all_gather, barrier
@@ -351,7 +351,7 @@ class DcpAllToAll:
         if requested == "auto" and obstacle is None:
             views = all_gather(self.group, self._p2p_obstacle(devices))
             obstacle = next((v for v in views if v), None)
-        if requested in ("triton", "pull") and obstacle is not None:
+        if requested in FUSED_TRANSPORTS and obstacle is not None:
             raise DcpError(f"backend={requested!r} cannot serve this group: {obstacle}")
         transport, reason = None, "requested" if requested == "nccl" else obstacle
         if requested != "nccl" and obstacle is None:
@@ -359,9 +359,9 @@ class DcpAllToAll:
                 transport = TritonTransport(self.group, self._layouts, self.region, self.device, self.channels,
                                             self.timeout_s, self.max_programs, self._gpu_scope(),
                                             self.tracing, self.pdl, pull=requested == "pull")
-                reason = "requested" if requested in ("triton", "pull") else "every rank reaches every peer's buffer"
+                reason = "requested" if requested in FUSED_TRANSPORTS else "every rank reaches every peer's buffer"
             except DcpError as exc:  # raised on every rank alike: the fallback is collective too
-                if requested in ("triton", "pull") or isinstance(exc, DcpPeerLostError):
+                if requested in FUSED_TRANSPORTS or isinstance(exc, DcpPeerLostError):
                     raise
                 reason = f"buffer setup failed: {exc}"
         if transport is None:
@@ -774,7 +774,7 @@ class DcpAllToAll:
         combined them. Programs that did not run are zero. Synchronizes the device.
         """
         self._check_open()
-        if not self.tracing or self.backend not in ("triton", "pull"):
+        if not self.tracing or self.backend not in FUSED_TRANSPORTS:
             raise DcpError("tracing is off: construct with DCP_A2A_TRACE=1 and the triton backend")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

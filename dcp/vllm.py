@@ -73,7 +73,7 @@ def communicator(cp_group: Any, num_heads: int, head_dim: int, dtype: torch.dtyp
                            head_dim=head_dim, dtype=dtype, device=device, query_dim=query_dim,
                            query_dtype=query_dtype)
         _comms[key] = (group, comm)  # the group is kept alive with its id in the key
-        _by_call.setdefault((id(group), "combine", num_heads, head_dim, dtype, device), comm)
+        _by_call.setdefault(_combine_key(group, num_heads, head_dim, dtype, device), comm)
         _by_call.setdefault((id(group), "gather", num_heads, key[4], key[5], device), comm)
     return _comms[key][1]
 
@@ -86,13 +86,17 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _combine_key(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    return (id(group), "combine", num_heads, head_dim, dtype, device)
+
+
 def has_communicator(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    return (id(group), "combine", num_heads, head_dim, dtype, device) in _by_call
+    return _combine_key(group, num_heads, head_dim, dtype, device) in _by_call
 
 
 def _cached(group, num_heads, head_dim, dtype, device, query: Optional[tuple] = None) -> DcpAllToAll:
     """The communicator of a call: one that serves its geometry (any query geometry for a combine)."""
-    comm = _by_call.get((id(group), "combine", num_heads, head_dim, dtype, device) if query is None
+    comm = _by_call.get(_combine_key(group, num_heads, head_dim, dtype, device) if query is None
                         else (id(group), "gather", num_heads, *query, device))
     if comm is not None:
         return comm
@@ -193,8 +197,9 @@ def fallback_combine(original: Callable) -> Callable:
         if (world == 1 or world and isinstance(cp_attn_out, torch.Tensor) and cp_attn_out.dim() == 3
                 and combine_geometry_error(world, cp_attn_out.shape[1], cp_attn_out.shape[2],
                                            cp_attn_out.dtype) is None):
-            if world == 1 or not capturing(cp_attn_out.device) or has_communicator(
-                    parts[0], cp_attn_out.shape[1], cp_attn_out.shape[2], cp_attn_out.dtype, cp_attn_out.device):
+            # (the dictionary lookup first: the capture query costs more, on every eager call)
+            if world == 1 or has_communicator(parts[0], cp_attn_out.shape[1], cp_attn_out.shape[2], cp_attn_out.dtype,
+                                              cp_attn_out.device) or not capturing(cp_attn_out.device):
                 return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
             # Nothing may be built in capture: vLLM's own serves this geometry (logged once).
             _note_unbuilt(cp_attn_out)

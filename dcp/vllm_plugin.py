@@ -132,6 +132,13 @@ def _patch_impls(module) -> None:
     cls.__init__ = __init__
 
 
+def _max_tokens(vllm_sized: Optional[int]) -> int:
+    """A communicator's max_tokens: ``DCP_A2A_MAX_TOKENS``, else what vLLM sized its DCP buffers for."""
+    if os.environ.get("DCP_A2A_MAX_TOKENS"):
+        return dropin.max_tokens_from_env()
+    return vllm_sized or dropin.DEFAULT_MAX_TOKENS
+
+
 def _impl_comm(impl) -> None:
     """Build the communicator of an attention implementation that bound this package's combine
     (collective: every rank builds the same layers in the same order)."""
@@ -146,8 +153,7 @@ def _impl_comm(impl) -> None:
     why = "a group of one" if world == 1 else combine_geometry_error(world, heads, d, dtype)
     key = ("impl", type(impl).__name__, world, heads, d, dtype)
     if why is None:
-        tokens = dropin.max_tokens_from_env() if os.environ.get("DCP_A2A_MAX_TOKENS") else (
-            getattr(impl, "_dcp_max_num_tokens", 0) or dropin.DEFAULT_MAX_TOKENS)
+        tokens = _max_tokens(getattr(impl, "_dcp_max_num_tokens", None))
         try:
             comm = dropin.communicator(group, heads, d, dtype, max_tokens=tokens)
         except DcpError as exc:  # raised alike on every rank: every rank leaves it to vLLM's own
@@ -243,8 +249,7 @@ def _manager_comm(manager) -> Optional[DcpAllToAll]:
     query_why = query_geometry_error(g["query_head_dim"], g["query_dtype"])
     comm = None
     if why is None:
-        tokens = dropin.max_tokens_from_env() if os.environ.get("DCP_A2A_MAX_TOKENS") else (
-            getattr(manager, "max_num_tokens", None) or dropin.DEFAULT_MAX_TOKENS)
+        tokens = _max_tokens(getattr(manager, "max_num_tokens", None))
         query = {} if query_why else dict(query_dim=g["query_head_dim"], query_dtype=g["query_dtype"])
         comm = dropin.communicator(group, heads, g["output_head_dim"], g["output_dtype"], manager.device,
                                    max_tokens=tokens, **query)
