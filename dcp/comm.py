@@ -6,6 +6,7 @@ import numbers
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Optional, Union
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.kernels import KIND_COMBINE, KIND_GATHER, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
+from dcp import plan as auto_plan
 from dcp.backends import FUSED_TRANSPORTS, NcclTransport, TritonTransport
 from dcp.errors import DcpError, DcpPeerLostError
 from dcp.protocol import POISONED_NOTE, ChannelLayout, ChannelRegion, call_tag
@@ -191,13 +193,16 @@ class DcpAllToAll:
         # CPU calls are synchronous, so checking their status costs nothing.
         self.check_calls = bool(check) if check is not None else (env_check or self.device.type == "cpu")
         self.tracing = os.environ.get("DCP_A2A_TRACE", "0") not in ("", "0")
+        measure = os.environ.get("DCP_A2A_MEASURE", "")
+        self._measures = measure not in ("", "0") if measure else self.device.type == "cuda"
         geometry = (self.max_tokens, self.num_heads, self.head_dim, str(dtype), self.channels, self.world,
-                    requested, self.num_warps, self.query_dim, str(self.query_dtype))
+                    requested, self.num_warps, self.query_dim, str(self.query_dtype), self._measures)
         facts = all_gather(group, (geometry, error, where, self.device.index), "DcpAllToAll construction")
         agree(group, facts[self.rank][1], "DcpAllToAll construction", errors=[f[1] for f in facts])
         if any(f[0] != geometry for f in facts):
             raise DcpError("ranks disagree on the DcpAllToAll geometry (max_tokens, num_heads, head_dim, "
-                           "dtype, channels, world, backend, num_warps, query_dim, query_dtype): "
+                           "dtype, channels, world, backend, num_warps, query_dim, query_dtype, "
+                           "DCP_A2A_MEASURE): "
                            f"{[f[0] for f in facts]}")
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
         self.max_programs = max_programs or self._default_programs()
@@ -216,19 +221,31 @@ class DcpAllToAll:
         # poisoned on the host (a refused call may have left the ranks out of step) with the reason.
         self._busy = [threading.Lock() for _ in range(self.channels)]
         self._host_poison: dict = {}
-        self._transport = self._select(requested, [f[2].split("/")[0] for f in facts], [f[3] for f in facts])
-        self.backend: str = self._transport.name
-        self.provider: str = self._transport.provider
+        self.plan: Optional[auto_plan.Plan] = None
+        self._transports: dict = {}  # name -> transport, the candidates' order; then those in use
         self._closed = False
         try:
+            self._select(requested, facts)
             self._compile_shared()
             self.warmup()
             po, y, lses, _ = self._examples()
             # What a call that moves no data launches with (a rejected call's own tensors may be unusable).
             self._idle_call = (*self._operands(po, lses[0], y, None), po, lses[0], y, self._lse_scratch)
+            if len(self._transports) > 1:
+                self._measure_plan()
         except BaseException:
             self.close()
             raise
+        self._transport = next(iter(self._transports.values()))  # the first in use (trace, tests' pokes)
+        self.backend: str = self._transport.name if len(self._transports) == 1 else "auto"
+        self.provider: str = self._transport.provider
+        # kind -> the transport of each call size, index min(B, max_tokens)
+        self._routes = {kind: [self._transports[name] for name in self.plan.by_size[kind]] if self.plan
+                        else [self._transport] * (self.max_tokens + 1) for kind in self._layouts}
+        if self.rank == 0:
+            log.info("DCP all-to-all backend: %s (%s)", self.backend, self.backend_reason)
+            if self.plan is not None:
+                log.info("%s", self.plan)
 
     # --- setup ---------------------------------------------------------------------------------
     def _set_arguments(self, max_tokens, num_heads, head_dim, channels, device, timeout_s,
@@ -345,31 +362,110 @@ class DcpAllToAll:
         """
         return self.ranks_per_device == self.world and os.environ.get("DCP_A2A_FENCE_SCOPE") != "sys"
 
-    def _select(self, requested: str, hosts: list, devices: list):
-        """The transport every rank agrees on, and why (logged once by rank 0)."""
+    def _nccl_obstacle(self, wheres: list) -> Optional[str]:
+        """Why the NCCL path cannot be one of ``auto``'s candidates here (None: it can)."""
+        backend = dist.get_backend(self.group)
+        if self.device.type == "cpu":
+            return None if backend == "gloo" else f"the group's backend is {backend}, which cannot move CPU tensors"
+        if backend != "nccl":
+            return f"the group's backend is {backend}, not nccl"
+        if len(set(wheres)) < self.world:
+            return "ranks share a GPU, and NCCL runs one rank per GPU"
+        return None
+
+    def _select(self, requested: str, facts: list) -> None:
+        """Build the transport(s) every rank agrees on, and say why (``backend_reason``): the one
+        requested, or for ``auto`` the candidates ``_measure_plan`` chooses among (a fused transport
+        alone where measuring is off, ``nccl`` where no fused one can serve)."""
+        hosts, devices = [f[2].split("/")[0] for f in facts], [f[3] for f in facts]
         obstacle = self._triton_obstacle(hosts)
         if requested == "auto" and obstacle is None:
             views = all_gather(self.group, self._p2p_obstacle(devices))
             obstacle = next((v for v in views if v), None)
         if requested in FUSED_TRANSPORTS and obstacle is not None:
             raise DcpError(f"backend={requested!r} cannot serve this group: {obstacle}")
-        transport, reason = None, "requested" if requested == "nccl" else obstacle
-        if requested != "nccl" and obstacle is None:
+        measuring = requested == "auto" and obstacle is None and self._measures
+        if requested in FUSED_TRANSPORTS:
+            fused = [requested]
+        elif requested == "auto" and obstacle is None:
+            fused = list(FUSED_TRANSPORTS) if measuring else ["triton"]
+        else:
+            fused = []
+        self._left_out: dict = {}
+        reason = "requested" if requested != "auto" else obstacle
+        for name in fused:
             try:
-                transport = TritonTransport(self.group, self._layouts, self.region, self.device, self.channels,
-                                            self.timeout_s, self.max_programs, self._gpu_scope(),
-                                            self.tracing, self.pdl, pull=requested == "pull")
-                reason = "requested" if requested in FUSED_TRANSPORTS else "every rank reaches every peer's buffer"
+                self._transports[name] = TritonTransport(
+                    self.group, self._layouts, self.region, self.device, self.channels, self.timeout_s,
+                    self.max_programs, self._gpu_scope(), self.tracing, self.pdl, pull=name == "pull")
             except DcpError as exc:  # raised on every rank alike: the fallback is collective too
                 if requested in FUSED_TRANSPORTS or isinstance(exc, DcpPeerLostError):
                     raise
                 reason = f"buffer setup failed: {exc}"
-        if transport is None:
-            transport = NcclTransport(self.group, self._layouts, self.device, self.channels)
-        if self.rank == 0:
-            log.info("DCP all-to-all backend: %s (%s)", transport.name, reason)
+                for transport in self._transports.values():
+                    transport.close()
+                self._transports.clear()
+                break
+        if requested == "auto" and self._transports and not measuring:
+            reason = ("every rank reaches every peer's buffer (not measured: "
+                      + ("DCP_A2A_MEASURE=0)" if self.device.type == "cuda" else "Triton's interpreter on the CPU)"))
+        nccl_obstacle = self._nccl_obstacle([f[2] for f in facts]) if measuring and self._transports else None
+        if nccl_obstacle is not None:
+            self._left_out["nccl"] = nccl_obstacle
+        elif requested == "nccl" or not self._transports or measuring:
+            self._transports["nccl"] = NcclTransport(self.group, self._layouts, self.device, self.channels)
         self.backend_reason = reason
-        return transport
+
+    def _measure_plan(self) -> None:
+        """``auto``: time every candidate over the ladder of call sizes (``dcp.plan``), agree on the
+        plan from every rank's times, and close the transports it leaves unused. Collective."""
+        t0 = time.perf_counter()
+        mt, dev, cuda = self.max_tokens, self.device, self.device.type == "cuda"
+        po = torch.randn((mt, self.num_heads, self.head_dim), device=dev).to(self.dtype)
+        lse = torch.randn((mt, self.num_heads), device=dev)
+        y = torch.empty((mt, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=dev)
+        q16 = torch.randint(-1 << 15, 1 << 15, (mt, self.heads_per_rank, self._query_words), dtype=torch.int16,
+                            device=dev)
+        y16 = torch.empty((mt, self.num_heads, self._query_words), dtype=torch.int16, device=dev)
+        calls = {KIND_COMBINE: (self._operands(po, lse, y, None), po, lse, y),
+                 KIND_GATHER: (self._gather_operands(q16, y16), q16, None, y16)}
+
+        def runner(transport):
+            def run(kind: int, b: int) -> None:
+                operands, a, l, out = calls[kind]
+                self._launches(transport, kind, operands, a[:b], self._lse_scratch if l is None else l[:b], out[:b],
+                               None, b, 0, True)
+            return run
+
+        def failure(name: str) -> Optional[str]:
+            if cuda:
+                torch.cuda.synchronize(dev)
+            error = self._transports[name].error(0)
+            return None if error is None else str(error)
+
+        sizes = auto_plan.ladder(mt)
+        timer = auto_plan.CudaTimer(dev) if cuda else auto_plan.HostTimer()
+        runs = {name: runner(t) for name, t in self._transports.items()}
+        table, failed = auto_plan.measure(runs, failure, sizes, timer, warm=1 if cuda else 0, reps=8 if cuda else 1,
+                                          rounds=2 if cuda else 1)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        self._host_poison.clear()  # what a candidate's failure left here: that candidate is left out
+        facts = all_gather(self.group, (table, failed, time.perf_counter() - t0), "measuring the transports")
+        left_out = dict(self._left_out)
+        for r, (_, fails, _) in enumerate(facts):
+            for name, why in fails.items():
+                left_out.setdefault(name, f"failed on rank {r} while measured: {why}")
+        candidates = [name for name in self._transports if name not in left_out]
+        if not candidates:
+            raise DcpError(f"auto: every transport failed while measured: {left_out}")
+        plan = auto_plan.choose([f[0] for f in facts], candidates, sizes, left_out, mt, max(f[2] for f in facts))
+        # Every rank has synchronized before the exchange: no kernel of any rank still uses these.
+        for name in [n for n in self._transports if n not in plan.transports]:
+            self._transports.pop(name).close()
+        self.plan = plan
+        self.backend_reason = f"measured in {plan.seconds:.2f} s: {plan.summary()}" + "".join(
+            f"; {name} left out: {why}" for name, why in left_out.items())
 
     # --- readiness -----------------------------------------------------------------------------
     @staticmethod
@@ -453,14 +549,14 @@ class DcpAllToAll:
         first compiles and loads its share of the (variant, tiling) pairs, and once all ranks
         have, ``warmup()`` finds the others' in the cache. A rank that fails makes every rank raise.
         """
-        jobs = [(kind, tensors, operands, w) for kind, tensors, operands in self._example_jobs()
-                for k, w in self._transport.tilings if k == kind]
+        jobs = [(t, kind, tensors, operands, w) for t in self._transports.values()
+                for kind, tensors, operands in self._example_jobs() for k, w in t.tilings if k == kind]
         error = None
         try:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # as in _load
-            for kind, (a, b, c), (key, strides), w in jobs[self.rank::self.world]:
-                self._transport.load(kind, key, strides, a, b, c, self._lse_scratch, (w,))
+            for t, kind, (a, b, c), (key, strides), w in jobs[self.rank::self.world]:
+                t.load(kind, key, strides, a, b, c, self._lse_scratch, (w,))
         except Exception as exc:  # reported to every rank by agree()
             error = f"{type(exc).__name__}: {exc}"
         agree(self.group, error, "compiling the kernels")
@@ -478,7 +574,8 @@ class DcpAllToAll:
                     "this layout before capture")
             stream = torch.cuda.current_stream(self.device)
             stream.synchronize()  # loading a module next to a spinning kernel can block
-            self._transport.load(kind, key, strides, *tensors, self._lse_scratch)
+            for transport in self._transports.values():
+                transport.load(kind, key, strides, *tensors, self._lse_scratch)
             stream.synchronize()
         self._ready.add(key)
 
@@ -511,7 +608,7 @@ class DcpAllToAll:
         Collective, whatever happens: a call rejected here (bad arguments) still announces itself
         to the peers, whose call then fails naming this rank; a call with B = 0 takes part too.
         """
-        busy = self._enter(channel)
+        busy, transport = self._enter(channel, KIND_COMBINE, partial_out)
         try:
             try:
                 B = self._validate(partial_out, partial_lse, out, out_lse)
@@ -530,10 +627,10 @@ class DcpAllToAll:
                 if operands[0] not in self._ready:
                     self._load(KIND_COMBINE, (partial_out, partial_lse, y), operands)
             except BaseException:
-                self._announce(channel, TAG_ABORT)
+                self._announce(transport, channel, TAG_ABORT)
                 raise
-            self._launches(KIND_COMBINE, operands, partial_out, partial_lse, y, y_lse, B, channel, is_lse_base_on_e,
-                           meta)
+            self._launches(transport, KIND_COMBINE, operands, partial_out, partial_lse, y, y_lse, B, channel,
+                           is_lse_base_on_e, meta)
         finally:
             busy.release()
         self._checked(channel, check)
@@ -549,7 +646,7 @@ class DcpAllToAll:
         (``buf[:, :H]``). The result is never a view of the shared buffers. Collective, like
         ``lse_reduce``, on the same channels and epochs: gathers and combines interleave freely.
         """
-        busy = self._enter(channel)
+        busy, transport = self._enter(channel, KIND_GATHER, q_local)
         try:
             try:
                 B = self._validate_query(q_local, out)
@@ -562,9 +659,9 @@ class DcpAllToAll:
                 if operands[0] not in self._ready:
                     self._load(KIND_GATHER, (q16, self._lse_scratch, y16), operands)
             except BaseException:
-                self._announce(channel, TAG_ABORT)
+                self._announce(transport, channel, TAG_ABORT)
                 raise
-            self._launches(KIND_GATHER, operands, q16, self._lse_scratch, y16, None, B, channel, True)
+            self._launches(transport, KIND_GATHER, operands, q16, self._lse_scratch, y16, None, B, channel, True)
         finally:
             busy.release()
         self._checked(channel, check)
@@ -575,12 +672,14 @@ class DcpAllToAll:
         if check if check is not None else self.check_calls:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            error = self._transport.error(channel)  # this call's own failure (or the first before it)
+            error = self._device_error(channel)  # this call's own failure (or the first before it)
             if error is not None:
                 raise error
 
-    def _enter(self, channel) -> threading.Lock:
-        """Take the channel for this call, or raise: closed, busy, or poisoned by a failed call."""
+    def _enter(self, channel, kind: int, first) -> tuple:
+        """Take the channel for this call and pick its transport (by ``first``'s B: every rank
+        routes a call of one size alike), or raise: closed, busy, or poisoned by a failed call.
+        A call rejected later announces itself on that transport: where its B is the peers', theirs."""
         if self._closed:
             self._check_open()
         if type(channel) is not int or not 0 <= channel < self.channels:
@@ -595,30 +694,41 @@ class DcpAllToAll:
             self._host_poison.setdefault(channel, "two threads called on it at once")
             raise DcpError(f"channel {channel} is busy: another thread of this process is inside a call on "
                            f"it (calls that may run concurrently need channels of their own); {POISONED_NOTE}")
+        routes = self._routes[kind]
+        transport = routes[min(first.shape[0], self.max_tokens)] if (
+            isinstance(first, torch.Tensor) and first.dim()) else routes[1]
         error = self._channel_error(channel)
         if error is not None:
             try:
-                self._announce(channel, TAG_POISONED)
+                self._announce(transport, channel, TAG_POISONED)
             finally:
                 busy.release()
             raise error
-        return busy
+        return busy, transport
 
     def _channel_error(self, channel: int) -> Optional[DcpError]:
         if channel in self._host_poison:
             return DcpError(f"channel {channel} is poisoned: {self._host_poison[channel]}; {POISONED_NOTE}")
-        return self._transport.error(channel)
+        return self._device_error(channel)
 
-    def _announce(self, channel: int, tag: int) -> None:
+    def _device_error(self, channel: int) -> Optional[DcpError]:
+        """The first recorded failure of a channel in any transport in use (host reads)."""
+        for transport in self._transports.values():
+            error = transport.error(channel)
+            if error is not None:
+                return error
+        return None
+
+    def _announce(self, transport, channel: int, tag: int) -> None:
         """A call that moves no data, so that the peers' call of the same epoch fails at once naming
         this rank, and every rank's epoch stays in step. If even that cannot launch, the channel is
         poisoned here, and its next call announces it (never raises)."""
         try:
-            self._transport.launch(*self._idle_call, 0, tag, channel, False, True)
+            transport.launch(*self._idle_call, 0, tag, channel, False, True)
         except Exception as exc:  # the caller raises its own error
             self._host_poison.setdefault(channel, f"a call could not announce itself to the peers ({exc})")
 
-    def _launches(self, kind: int, operands: tuple, po, lse, y, y_lse, B: int, channel: int,
+    def _launches(self, transport, kind: int, operands: tuple, po, lse, y, y_lse, B: int, channel: int,
                   base_e: bool, meta: Optional[tuple] = None) -> None:
         """The call's launches: one up to max_tokens, else one per chunk of max_tokens, all with the
         call's tag. A failure between them leaves the ranks out of step: the channel is poisoned.
@@ -628,14 +738,14 @@ class DcpAllToAll:
         tag = call_tag(kind, B, not base_e)
         try:
             if B <= self.max_tokens:
-                self._transport.launch(key, strides, po, lse, y, lse_arg, B, tag, channel, write_lse, base_e,
-                                       meta and meta + (0,))
+                transport.launch(key, strides, po, lse, y, lse_arg, B, tag, channel, write_lse, base_e,
+                                 meta and meta + (0,))
                 return
             for b0 in range(0, B, self.max_tokens):
                 b1 = min(B, b0 + self.max_tokens)
-                self._transport.launch(key, strides, po[b0:b1], lse if kind == KIND_GATHER else lse[b0:b1],
-                                       y[b0:b1], y_lse[b0:b1] if write_lse else lse_arg, b1 - b0, tag, channel,
-                                       write_lse, base_e, meta and meta + (b0,))
+                transport.launch(key, strides, po[b0:b1], lse if kind == KIND_GATHER else lse[b0:b1],
+                                 y[b0:b1], y_lse[b0:b1] if write_lse else lse_arg, b1 - b0, tag, channel,
+                                 write_lse, base_e, meta and meta + (b0,))
         except BaseException as exc:
             self._host_poison.setdefault(channel, f"a call failed between its launches ({type(exc).__name__})")
             raise
@@ -774,7 +884,7 @@ class DcpAllToAll:
         combined them. Programs that did not run are zero. Synchronizes the device.
         """
         self._check_open()
-        if not self.tracing or self.backend not in FUSED_TRANSPORTS:
+        if not self.tracing or self._transport.name not in FUSED_TRANSPORTS:
             raise DcpError("tracing is off: construct with DCP_A2A_TRACE=1 and the triton backend")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -787,11 +897,12 @@ class DcpAllToAll:
         self._check_open()
         if type(n_tokens) is not int or n_tokens < 1:
             raise ValueError(f"n_tokens: expected a positive integer, got {n_tokens!r}")
-        return self._transport.tiling(min(n_tokens, self.max_tokens), KIND_GATHER if gather else KIND_COMBINE)
+        kind, n = KIND_GATHER if gather else KIND_COMBINE, min(n_tokens, self.max_tokens)
+        return self._routes[kind][n].tiling(n, kind)
 
     def memory_bytes(self) -> dict:
         """Bytes of persistent buffers this rank holds, per channel and in total."""
-        per = self._transport.memory_bytes()
+        per = sum(t.memory_bytes() for t in self._transports.values())
         return {"per_channel": per, "channels": self.channels, "total": per * self.channels}
 
     def _check_open(self) -> None:
@@ -822,7 +933,8 @@ class DcpAllToAll:
         except Exception as exc:
             log.warning("DcpAllToAll.close: barrier with peers failed (%s); releasing local buffers", exc)
         finally:
-            self._transport.close()
+            for transport in self._transports.values():
+                transport.close()
 
     def __enter__(self) -> "DcpAllToAll":
         return self

@@ -1,0 +1,194 @@
+"""``auto``'s plan: which transport serves each call size, measured on the machine it runs on.
+
+No fabric can be known in advance: peer writes collapse on some PCIe topologies, peer reads on
+others, and NCCL wins large calls on some (``docs/design.md``, section 5.11). So at construction
+every rank times each candidate transport over a ladder of call sizes (``measure``), the ranks
+exchange their tables, and each derives the same plan from the same numbers (``choose``): for each
+collective and measured size, the candidate whose slowest rank was fastest. Every rank therefore
+sends a call of a given size to the same transport, whatever its own clock said.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from dcp.kernels import KIND_COMBINE, KIND_GATHER
+
+KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
+# Within this fraction of the fastest, the earlier candidate wins: the fused transports come before
+# NCCL (they keep the lockstep announcements), the push before the pull (the most proven).
+TIE = 0.02
+
+
+def ladder(max_tokens: int) -> list:
+    """The call sizes measured: powers of two below ``max_tokens``, and ``max_tokens``."""
+    return [1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens] + [max_tokens]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Calls of ``lo`` to ``hi`` tokens (``hi`` None: no bound; above ``max_tokens`` a call runs in
+    chunks of it) of one collective go to ``transport``; ``times_us``: each candidate's time per call
+    at the size ``at`` that decided it (its slowest rank's)."""
+    kind: str
+    lo: int
+    hi: Optional[int]
+    transport: str
+    at: int
+    times_us: dict
+
+
+class Plan:
+    """The agreed plan (identical on every rank): ``transport(kind, B)``, its ``routes``, the
+    candidates ``left_out`` and why, and how long the measurement took (``seconds``)."""
+
+    def __init__(self, max_tokens: int, choices: dict, left_out: dict, seconds: float):
+        """``choices``: kind -> [(size, transport, {candidate: us})] by increasing size."""
+        self.max_tokens, self.left_out, self.seconds = max_tokens, dict(left_out), seconds
+        self._choices = choices
+        # kind -> transport by call size, index 0 (B = 0) to max_tokens: the smallest measured size >= B.
+        self.by_size = {}
+        for kind, points in choices.items():
+            names, i = [], 0
+            for b in range(max_tokens + 1):
+                while points[i][0] < b:
+                    i += 1
+                names.append(points[i][1])
+            self.by_size[kind] = names
+
+    def transport(self, kind: int, n_tokens: int) -> str:
+        return self.by_size[kind][min(max(n_tokens, 0), self.max_tokens)]
+
+    @property
+    def transports(self) -> list:
+        """The transports some call size goes to, in the order they were candidates."""
+        used = {name for names in self.by_size.values() for name in names}
+        order = next(iter(self._choices.values()))[0][2]
+        return [name for name in order if name in used]
+
+    @property
+    def routes(self) -> list:
+        out = []
+        for kind, points in self._choices.items():
+            lo = 1
+            for i, (b, name, times) in enumerate(points):
+                last = i == len(points) - 1
+                if not last and points[i + 1][1] == name:
+                    continue  # merged with the next size's route
+                out.append(Route(KINDS[kind], lo, None if last else b, name, b, times))
+                lo = b + 1
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"auto plan (measured in {self.seconds:.2f} s; us per call, slowest rank, at the size that "
+                 "decided each range):"]
+        for r in self.routes:
+            sizes = f"B {r.lo}-{r.hi}" if r.hi is not None else f"B >= {r.lo}"
+            times = "  ".join(f"{name} {us:.1f}" for name, us in r.times_us.items())
+            lines.append(f"  {r.kind:7s} {sizes:12s} {r.transport:6s}  (B = {r.at}: {times})")
+        lines += [f"  left out: {name} ({why})" for name, why in self.left_out.items()]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: the transport of each route."""
+        return "; ".join(f"{r.kind} {f'B {r.lo}-{r.hi}' if r.hi is not None else f'B >= {r.lo}'}: {r.transport}"
+                         for r in self.routes)
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "left_out": self.left_out,
+                "routes": [dict(vars(r)) for r in self.routes]}
+
+
+def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_tokens: int, seconds: float) -> Plan:
+    """The plan from every rank's table (``tables[r][(candidate, kind, size)]``: us per call on rank
+    r): at each size, each candidate's time is its slowest rank's, and the fastest wins (ties within
+    ``TIE`` to the earlier candidate). ``candidates`` in order of preference, none left out."""
+    choices = {}
+    for kind in KINDS:
+        points = []
+        for b in sizes:
+            times = {name: max(t[name, kind, b] for t in tables) for name in candidates}
+            best = min(times.values())
+            points.append((b, next(name for name in candidates if times[name] <= best * (1 + TIE)), times))
+        choices[kind] = points
+    return Plan(max_tokens, choices, left_out, seconds)
+
+
+def measure(runs: dict, failure: Callable[[str], Optional[str]], sizes: list, timer, warm: int, reps: int,
+            rounds: int) -> tuple:
+    """This rank's table ``{(candidate, kind, size): us per call}`` and its failures
+    ``{candidate: why}``.
+
+    ``runs[candidate](kind, size)`` issues one call (every rank issues the same calls in the same
+    order); ``failure(candidate)`` reads a candidate's recorded failure after its calls. ``timer``:
+    ``hold()`` before the warm calls (which also line the ranks up), ``start()`` after them and
+    ``stop(reps)`` -> us per call.
+    A candidate that raises stops being called here; its peers' next calls then fail on the
+    timeout, and it is left out on every rank. Each point is the best of ``rounds``.
+    """
+    table, failed = {}, {}
+    for name, run in runs.items():
+        try:
+            for kind in KINDS:
+                for b in sizes:
+                    best = float("inf")
+                    for _ in range(rounds):
+                        timer.hold()
+                        for _ in range(warm):
+                            run(kind, b)
+                        timer.start()
+                        for _ in range(reps):
+                            run(kind, b)
+                        best = min(best, timer.stop(reps))
+                    table[name, kind, b] = best
+        except Exception as exc:  # left out on every rank once the failures are exchanged
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        why = failure(name)
+        if why is not None:
+            failed[name] = why
+    return table, failed
+
+
+class HostTimer:
+    """Wall time of synchronous calls (Triton's interpreter)."""
+
+    def hold(self) -> None:
+        pass
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def stop(self, reps: int) -> float:
+        return (time.perf_counter() - self.t0) * 1e6 / reps
+
+
+class CudaTimer:
+    """Device time between two events on the device's current stream. ``hold()`` first occupies
+    the stream for ``hold_us`` (``torch.cuda._sleep``) while the host queues the calls behind it, so
+    that the events time the calls, not how fast the host launches them."""
+
+    def __init__(self, device: torch.device, hold_us: float = 1000.0):
+        self.device, self.stream = device, torch.cuda.current_stream(device)
+        self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 1 << 20
+        self.a.record(self.stream)
+        self.hold_cycles = cycles
+        self.hold()
+        self.b.record(self.stream)
+        self.b.synchronize()
+        self.hold_cycles = int(cycles / (self.a.elapsed_time(self.b) * 1e3) * hold_us)
+
+    def hold(self) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            torch.cuda._sleep(self.hold_cycles)
+
+    def start(self) -> None:
+        self.a.record(self.stream)
+
+    def stop(self, reps: int) -> float:
+        self.b.record(self.stream)
+        self.b.synchronize()
+        return self.a.elapsed_time(self.b) * 1e3 / reps

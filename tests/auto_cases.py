@@ -1,0 +1,53 @@
+"""Rank functions for ``backend="auto"`` (``tests/test_auto.py``): construction with the measured
+plan, its tables made up or its measurement made to fail on chosen ranks."""
+
+import os
+from unittest import mock
+
+import torch.distributed as dist
+
+import dcp.plan
+from dcp import DcpAllToAll
+from dcp.kernels import KIND_COMBINE, KIND_GATHER
+
+
+def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", measure: str = "1", **kwargs) -> dict:
+    """Construct with ``backend="auto"`` and measuring on (``measure``: ``DCP_A2A_MEASURE``).
+
+    ``tables``: per rank, ``{(candidate, kind, size): us}`` this rank reports instead of timing
+    (``None``: time for real). ``fail`` on rank ``fail_on``: that candidate raises at its first
+    measured call there. Each transport's launches are counted from then on (``counts``)."""
+    real = dcp.plan.measure
+    rank = dist.get_rank()
+
+    def fake(runs, failure, sizes, timer, **kw):
+        if rank == fail_on:
+            def broken(kind, b):
+                raise RuntimeError("injected failure")
+            runs = runs | {fail: broken}
+        if tables is not None:
+            return {tuple(k): v for k, v in tables[rank]}, {}
+        return real(runs, failure, sizes, timer, **kw)
+
+    with mock.patch.object(dcp.plan, "measure", fake), mock.patch.dict(os.environ, {"DCP_A2A_MEASURE": measure}):
+        comm = state[key] = DcpAllToAll(dist.group.WORLD, backend="auto", **kwargs)
+    state[key + "/counts"] = counts = {name: 0 for name in comm._transports}
+    for name, transport in comm._transports.items():
+        def counted(*args, _launch=transport.launch, _name=name, **kw):
+            counts[_name] += 1
+            return _launch(*args, **kw)
+        transport.launch = counted
+    plan = comm.plan
+    return {"backend": comm.backend, "reason": comm.backend_reason, "in_use": list(comm._transports),
+            "plan": plan and plan.as_dict() | {"seconds": None}, "text": plan and str(plan),
+            "by_size": plan and {k: plan.by_size[k] for k in (KIND_COMBINE, KIND_GATHER)}}
+
+
+def counts(state, key: str, reset: bool = True) -> dict:
+    """Launches per transport since the last reset."""
+    c = state[key + "/counts"]
+    out = dict(c)
+    if reset:
+        for name in c:
+            c[name] = 0
+    return out

@@ -1,0 +1,126 @@
+"""``backend="auto"``: the measured plan (``dcp.plan``) on the CPU tier. The routing and agreement
+use made-up tables (the interpreter's timings say nothing about a fabric); one test times for real,
+one makes a candidate fail while measured."""
+
+import pytest
+
+from dcp.kernels import KIND_COMBINE, KIND_GATHER
+from dcp.plan import Plan, choose, ladder
+from tests import auto_cases as ac
+from tests import gather_cases as gc
+from tests import lockstep_cases as lc
+from tests import rank_cases as rc
+from tests.conftest import fresh_seed
+
+CANDIDATES = ["triton", "pull", "nccl"]
+
+
+def _table(times: dict) -> list:
+    """{(kind, size): (triton, pull, nccl) us} as a rank's table (pairs, to cross to the ranks)."""
+    return [((name, kind, b), t[i]) for (kind, b), t in times.items() for i, name in enumerate(CANDIDATES)]
+
+
+# Each candidate wins somewhere: combine B = 1 pull, B = 2 push; gather B = 1 push, B = 2 nccl.
+MIXED = _table({(KIND_COMBINE, 1): (10, 5, 20), (KIND_COMBINE, 2): (10, 30, 20),
+                (KIND_GATHER, 1): (10, 20, 30), (KIND_GATHER, 2): (50, 40, 10)})
+
+
+def test_ladder_and_plan_rules():
+    assert ladder(1) == [1] and ladder(2) == [1, 2] and ladder(6) == [1, 2, 4, 6] and ladder(8) == [1, 2, 4, 8]
+    t = {(n, k, b): 10.0 for n in CANDIDATES for k in (KIND_COMBINE, KIND_GATHER) for b in (1, 2, 4)}
+    # a tie within 2% goes to the earlier candidate; the slowest rank decides
+    fast = t | {("pull", KIND_COMBINE, 4): 9.9, ("nccl", KIND_GATHER, 2): 5.0}
+    slow_rank = t | {("nccl", KIND_GATHER, 2): 11.0}
+    plan = choose([fast, slow_rank], CANDIDATES, [1, 2, 4], {"x": "why"}, 4, 0.1)
+    assert plan.by_size[KIND_COMBINE] == ["triton"] * 5
+    assert plan.by_size[KIND_GATHER] == ["triton"] * 5
+    plan = choose([t | {("pull", KIND_COMBINE, 4): 9.0}], CANDIDATES, [1, 2, 4], {}, 4, 0.1)
+    assert plan.by_size[KIND_COMBINE] == ["triton", "triton", "triton", "pull", "pull"]
+    assert plan.transport(KIND_COMBINE, 3) == "pull" and plan.transport(KIND_COMBINE, 1000) == "pull"
+    assert plan.transport(KIND_COMBINE, 0) == "triton" and plan.transports == ["triton", "pull"]
+    routes = [(r.kind, r.lo, r.hi, r.transport) for r in plan.routes]
+    assert routes == [("combine", 1, 2, "triton"), ("combine", 3, None, "pull"), ("gather", 1, None, "triton")]
+    text = str(plan)
+    assert "combine B 3-" not in text and "B >= 3" in text and "pull 9.0" in text, text
+    assert isinstance(plan, Plan) and "combine B 1-2: triton" in plan.summary()
+
+
+def test_auto_routes_each_size_to_its_transport(worlds):
+    """Every rank sends a call of a given size to the plan's transport, above max_tokens too, and
+    every result is the reference's; a rank rejecting a call fails its peers at once on its route."""
+    n = 3
+    w = worlds(n)
+    res = w.run(ac.make_auto, "a", tables=[MIXED] * n, max_tokens=2, num_heads=2 * n, head_dim=16, query_dim=24)
+    assert all(r == res[0] for r in res) and res[0]["backend"] == "auto", res
+    assert res[0]["in_use"] == CANDIDATES and "measured" in res[0]["reason"], res[0]
+    assert res[0]["by_size"][KIND_COMBINE] == ["pull", "pull", "triton"], res[0]
+    assert res[0]["by_size"][KIND_GATHER] == ["triton", "triton", "nccl"], res[0]
+    seed = fresh_seed()
+    w.run(ac.counts, "a")  # (the constructor's loads)
+    for i, (B, route) in enumerate([(1, "pull"), (2, "triton"), (5, "triton")]):
+        w.run(rc.lse_case, "a", seed + i, B=B, special=B == 5, return_lse=True)
+        launches = w.run(ac.counts, "a")
+        assert all(c == {name: (B + 1) // 2 if name == route else 0 for name in CANDIDATES} for c in launches), \
+            (B, launches)
+    for i, (B, route) in enumerate([(1, "triton"), (2, "nccl"), (5, "nccl")]):
+        w.run(gc.gather_case, "a", seed + 10 + i, B=B)
+        launches = w.run(ac.counts, "a")
+        assert all(c[route] == (B + 1) // 2 and sum(c.values()) == c[route] for c in launches), (B, launches)
+    # a rejected call of B = 1 announces itself on the pull, where its peers' call went
+    out = w.run(lc.rejecting_rank, "a", seed + 20, bad_rank=2, B=1)
+    assert all("rank 2 rejected its call before launch" in r["first"] for r in out[:2]), out
+    w.run(rc.close_comm, "a")
+    assert w.run(rc.shm_segments, ranks=[0]) == [[]]
+
+
+def test_ranks_that_measure_differently_agree(worlds):
+    """Rank 0 alone would pick the push, rank 1 alone nothing faster than the pull: the slowest
+    rank's time decides, on both; the transports the plan does not use are closed."""
+    rank0 = _table({(k, b): (10, 20, 100) for k in (KIND_COMBINE, KIND_GATHER) for b in (1, 2, 4)})
+    rank1 = _table({(k, b): (30, 20, 100) for k in (KIND_COMBINE, KIND_GATHER) for b in (1, 2, 4)})
+    w = worlds(2)
+    res = w.run(ac.make_auto, "a", tables=[rank0, rank1], max_tokens=4, num_heads=4, head_dim=16)
+    assert res[0] == res[1] and res[0]["backend"] == "pull" and res[0]["in_use"] == ["pull"], res
+    assert all(r["transport"] == "pull" and r["times_us"] == {"triton": 30, "pull": 20, "nccl": 100}
+               for r in res[0]["plan"]["routes"]), res[0]
+    w.run(rc.lse_case, "a", fresh_seed(), B=3)
+    w.run(rc.close_comm, "a")
+
+
+def test_measuring_off(worlds):
+    w = worlds(2)
+    res = w.run(ac.make_auto, "a", measure="0", max_tokens=2, num_heads=4, head_dim=16)
+    assert all(r["backend"] == "triton" and r["plan"] is None and "not measured" in r["reason"] for r in res), res
+    w.run(rc.close_comm, "a")
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_auto_measured_for_real_matches_the_reference(worlds, n):
+    """Timed on this machine (interpreted): whatever the plan, every rank has the same one, it
+    says what it measured, and both collectives match the reference around max_tokens."""
+    w = worlds(n)
+    res = w.run(ac.make_auto, "a", max_tokens=2, num_heads=2 * n, head_dim=8, query_dim=16)
+    assert all(r["plan"] == res[0]["plan"] for r in res), res
+    routes = res[0]["plan"]["routes"]
+    assert routes and all(set(r["times_us"]) == set(CANDIDATES) for r in routes), res[0]
+    assert "auto plan (measured in" in res[0]["text"], res[0]["text"]
+    seed = fresh_seed()
+    for i, B in enumerate((1, 2, 3)):
+        w.run(rc.lse_case, "a", seed + i, B=B, base_e=B != 2)
+        w.run(gc.gather_case, "a", seed + 10 + i, B=B)
+    w.run(rc.close_comm, "a")
+
+
+def test_a_candidate_failing_while_measured_is_left_out(worlds):
+    """The pull raises on rank 1 at its first measured call: rank 1 stops calling it, its peers'
+    pull calls time out naming it, and every rank leaves the pull out, saying why."""
+    w = worlds(3)
+    res = w.run(ac.make_auto, "a", fail_on=1, fail="pull", max_tokens=2, num_heads=6, head_dim=8,
+                timeout_s=3.0)
+    assert all(r["plan"] == res[0]["plan"] for r in res), res
+    left = res[0]["plan"]["left_out"]
+    assert list(left) == ["pull"] and "waiting for rank(s) [1]" in left["pull"], left
+    assert "pull" not in res[0]["in_use"] and "pull left out" in res[0]["reason"], res[0]
+    w.run(rc.lse_case, "a", fresh_seed(), B=3)
+    w.run(rc.close_comm, "a")
+    assert w.run(rc.shm_segments, ranks=[0]) == [[]]
