@@ -40,13 +40,12 @@ import tempfile
 
 import torch
 
-from dcp.backends import FUSED_TRANSPORTS
 from dcp.protocol import ChannelLayout
 from dcp.spawn import World
 from dcp.kernels import MAX_PEERS
 from dcp.spawn import RankError
 from . import ranks
-from .plot import missing
+from .plot import BASELINES, missing
 
 
 def _sh(cmd: str) -> str:
@@ -171,11 +170,13 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
 
 MODES = ["eager", "graph", "graph8"]
+FUSED = ["triton", "push", "pull"]  # the fused kernel's transports, as --backends names them
 
 
 COLUMN_HELP = """columns (a column no row fills is left out; - : no value for that row):
   N          ranks in the group
-  backend    triton (the fused kernel), nccl (the reference path; gloo where the group runs gloo)
+  backend    triton or push, pull, auto (DcpAllToAll's backend=), nccl (the reference path; gloo
+             where the group runs gloo)
   op         combine (lse_reduce), gather (all_gather_heads), layer (a gather then a combine)
   D|Dq       the combine's head dim D, the gather's query dim Dq (a layer: D|Dq)
   B          tokens per call
@@ -219,11 +220,11 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--query-dtype", choices=["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"],
                    default="bfloat16", help="query dtype of the gather")
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"] if cuda else ["triton"],
-                   choices=["triton", "pull", "nccl"],
-                   metavar="BACKEND",
-                   help="triton (the fused kernel pushing into peers' buffers), pull (the same kernel, each "
-                        "rank reading its rows from its peers' buffers) and/or nccl (pack, the process group's "
-                        "all-to-all, combine; named gloo where the group runs gloo, as without a GPU)")
+                   choices=[*FUSED, "auto", "nccl"], metavar="BACKEND",
+                   help="triton or push (the fused kernel pushing into peers' buffers), pull (the same kernel, "
+                        "each rank reading its rows from its peers' buffers), auto (the transport measured "
+                        "fastest for each call size at construction; its plan is printed) and/or nccl (pack, the "
+                        "process group's all-to-all, combine; named gloo where the group runs gloo)")
     p.add_argument("--modes", nargs="+", default=MODES if cuda else ["eager"], choices=MODES, metavar="MODE",
                    help="eager (plain calls), graph (a CUDA graph of one call), graph8 (a graph of 8 calls, "
                         "like layers); the graph modes need a GPU")
@@ -250,9 +251,9 @@ def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
     for n in worlds:
         shared = cuda and gpus < n  # ranks share a GPU; NCCL refuses two ranks on one GPU
         pg = "gloo" if shared or not cuda else "nccl"
-        run = [b for b in backends if not (b in FUSED_TRANSPORTS and n > MAX_PEERS or b == "nccl" and shared)]
+        run = [b for b in backends if not (b in FUSED and n > MAX_PEERS or b == "nccl" and shared)]
         rest = f"{' and '.join(pg if b == 'nccl' else b for b in run)} only" if run else "nothing runs"
-        for b in [b for b in backends if b in FUSED_TRANSPORTS and b not in run]:
+        for b in [b for b in backends if b in FUSED and b not in run]:
             notes.append(f"N={n}: {b} not run (the triton path serves up to {MAX_PEERS} ranks); {rest}")
         if "nccl" in backends and "nccl" not in run:
             notes.append(f"N={n}: nccl not run ({n} ranks share {gpus} GPU(s); NCCL refuses two ranks on one GPU); "
@@ -311,6 +312,8 @@ def main(argv=None) -> None:
                             tilings = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
                                             args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
                                             args.timer, args.dtype, args.query_dim, args.query_dtype)[0]
+                            if tilings["plan"]:
+                                print(f"\rN={n} D={d} {tilings['plan']}", flush=True)
                             for B in args.batch:
                                 for op in args.op:
                                     for mode in args.modes:
@@ -486,7 +489,7 @@ def _fill_speedups(rows: list) -> None:
     """baseline_us and speedup (the baseline's time / this time) on the rows of every point where the
     nccl backend ran (the baseline, named by its process group's backend: nccl, or gloo)."""
     point = lambda r: (r["world"], r["head_dim"], r["B"], r["mode"], r.get("op", "combine"))
-    baseline = {point(r): r["median_us"] for r in rows if r["backend"] not in FUSED_TRANSPORTS}
+    baseline = {point(r): r["median_us"] for r in rows if r["backend"] in BASELINES}
     for r in rows:
         t = baseline.get(point(r))
         if t is not None:
@@ -533,7 +536,7 @@ COLUMNS = [
 def format_table(rows: list) -> str:
     """Header, units, a line per row. A column that has no value in any row is left out (on the CPU
     tier: the device timers', the floor's and held); a cell without a value reads -."""
-    baseline = next((r["backend"] for r in rows if r["backend"] not in FUSED_TRANSPORTS), "nccl")
+    baseline = next((r["backend"] for r in rows if r["backend"] in BASELINES), "nccl")
     columns = [(head.format(baseline=baseline), unit, width, key, cell) for head, unit, width, key, cell in COLUMNS
                if any(not missing(r[key]) for r in rows)]
     columns = [(head, unit, max(width, len(head), len(unit)), key, cell) for head, unit, width, key, cell in columns]

@@ -6,11 +6,12 @@ import os
 import sys
 from collections import Counter
 
-from dcp.backends import FUSED_TRANSPORTS
-
 OPERATIONS = {"combine": "lse_reduce (all-to-all + LSE combine)", "gather": "all_gather_heads (query all-gather)",
               "layer": "layer (a gather then a combine)"}
 FIGURES = ("latency.png", "speedup.png")
+# The reference rows, named by the process group's backend the nccl path ran over; every other
+# row (triton or push, pull, auto) is one of ours.
+BASELINES = ("nccl", "gloo")
 
 
 def missing(value) -> bool:
@@ -89,13 +90,13 @@ def plot(results_json: str = "results/results.json", out_dir: str = "results") -
     runs = json.load(open(results_json))
     run = runs[-1]
     rows, prov = run["rows"], run["provenance"]
-    baseline = next((r["backend"] for r in rows if r["backend"] not in FUSED_TRANSPORTS), "nccl")
+    baseline = next((r["backend"] for r in rows if r["backend"] in BASELINES), "nccl")
     written = []
     for metric, ylabel, fname in (("median_us", "median time per call (us)", FIGURES[0]),
                                   ("speedup", f"speedup over {baseline} (x)", FIGURES[1])):
         series = {}
         for r in rows:
-            if not missing(r.get(metric)) and (metric != "speedup" or r["backend"] in FUSED_TRANSPORTS):
+            if not missing(r.get(metric)) and (metric != "speedup" or r["backend"] not in BASELINES):
                 op = r.get("op", "combine")
                 key = (r["world"], r["head_dim"], r["mode"], r["backend"], op,
                        f"Dq={r.get('query_dim')}" if op == "gather" else f"D={r['head_dim']}")

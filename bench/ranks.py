@@ -44,7 +44,8 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
           num_warps=None, pdl=None, timer: str = "clock", dtype: str = "bfloat16", query_dim: int = 0,
           query_dtype: str = "bfloat16") -> dict:
     """Build this rank's communicator; returns, by op, the tiling of each call size from 1 to
-    ``max_tokens`` (warps per program, programmatic dependent launch: ``DcpAllToAll.tiling``)."""
+    ``max_tokens`` (warps per program, programmatic dependent launch: ``DcpAllToAll.tiling``), and
+    ``auto``'s plan as text (None for the other backends)."""
     if "comm" in state:
         state.pop("comm").close()
     n = dist.get_world_size()
@@ -63,7 +64,7 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         state["mark_us"] = max(gather(statistics.median(timed.step_us))) if timed.held else float("nan")
     combine = [comm.tiling(b) for b in range(1, max_tokens + 1)]
     return {"combine": combine, "gather": [comm.tiling(b, gather=True) for b in range(1, max_tokens + 1)],
-            "layer": combine}
+            "layer": combine, "plan": comm.plan and str(comm.plan)}
 
 
 def calibrate(state) -> None:

@@ -136,10 +136,14 @@ class DcpAllToAll:
     Transport: ``backend`` ``"triton"`` or ``"push"`` (one fused kernel pushing into peers' buffers;
     one host, peer access, at most 8 ranks), ``"pull"`` (the same kernel staging rows in this rank's
     own buffer, each rank reading its rows from its peers': for fabrics where peer writes
-    collapse), ``"nccl"`` (pack, the group's all-to-all, combine) or ``"auto"``
-    (triton wherever every rank can run it, else nccl, decided by all ranks together); ``None`` reads
+    collapse), ``"nccl"`` (pack, the group's all-to-all, combine) or ``"auto"``: where every rank can
+    run the fused kernel, the ranks time the push, the pull and (with an NCCL group and a GPU per
+    rank) the NCCL path over call sizes up to ``max_tokens`` and agree on the fastest for each size
+    (``plan``, ``dcp.plan``; calls above ``max_tokens`` take ``max_tokens``'s); elsewhere nccl.
+    ``DCP_A2A_MEASURE=0`` skips the measurement (the push serves), ``=1`` measures on the CPU too
+    (not by default: the interpreter's times say nothing of a fabric). ``None`` reads
     ``DCP_A2A_BACKEND`` (default ``auto``). After construction ``backend`` names the transport
-    chosen and ``backend_reason`` why.
+    (``"auto"`` where the plan uses several) and ``backend_reason`` why.
 
     Failure: every wait is bounded by ``timeout_s`` (default 10 s on GPUs, 120 s on the CPU; at
     most a day). A call that cannot complete raises ``DcpTimeoutError`` (naming the missing ranks)

@@ -161,8 +161,9 @@ def _impl_comm(impl) -> None:
     if key not in _logged:
         _logged.add(key)
         if why is None:
-            log.info("dcp_a2a: %s: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend, max_tokens %d), built "
-                     "before capture", type(impl).__name__, world, heads, d, dtype, comm.backend, comm.max_tokens)
+            log.info("dcp_a2a: %s: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend: %s; max_tokens %d), "
+                     "built before capture", type(impl).__name__, world, heads, d, dtype, comm.backend,
+                     comm.backend_reason, comm.max_tokens)
         else:
             log.info("dcp_a2a: %s: N=%d, %d heads, D=%d %s: vLLM's own combine kept (%s)", type(impl).__name__,
                      world, heads, d, dtype, why)
@@ -273,8 +274,9 @@ def _log_once(key, why, query_why, comm, overridden: bool = False) -> None:
         log.info("dcp_a2a: N=%d, %d heads, D=%d %s: vLLM's own combine and gather kept (%s)", world, heads, d,
                  dtype, why)
         return
-    log.info("dcp_a2a: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend, max_tokens %d); query gather "
-             "Dq=%d %s %s%s", world, heads, d, dtype, comm.backend, comm.max_tokens, dq, qdtype,
+    log.info("dcp_a2a: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend: %s; max_tokens %d); query "
+             "gather Dq=%d %s %s%s", world, heads, d, dtype, comm.backend, comm.backend_reason, comm.max_tokens, dq,
+             qdtype,
              "on dcp-a2a" if query_why is None else f"kept on vLLM's own ({query_why})",
              "; vLLM's --dcp-comm-backend ag_rs overridden (DCP_A2A_VLLM=1 serves every MLA layer)" if overridden
              else "")

@@ -51,3 +51,17 @@ def counts(state, key: str, reset: bool = True) -> dict:
         for name in c:
             c[name] = 0
     return out
+
+
+def sizes_on_two_routes(state, key: str, seed: int, sizes: list) -> dict:
+    """Rank r combines B = sizes[r], sizes the plan sends to different transports: each rank waits
+    on its own route, so every rank fails on the timeout naming the ranks that went elsewhere,
+    writes NaN rows, and its channel stays poisoned."""
+    from tests.lockstep_cases import _inputs, _raises, _then_poisoned
+    from dcp import DcpTimeoutError
+
+    comm = state[key]
+    B = sizes[comm.rank]
+    _, _, po, pl = _inputs(comm, seed, B)
+    first = _raises(lambda: comm.lse_reduce(po, pl, check=True), (DcpTimeoutError,))
+    return {"first": first, "next": _then_poisoned(comm, seed + 1)}

@@ -22,6 +22,10 @@ def make_comm(state, key: str, device: str = "cpu", **kwargs) -> str:
     return repr(state[key])
 
 
+def backend_reason(state, key: str) -> str:
+    return state[key].backend_reason
+
+
 def close_comm(state, key: str) -> None:
     state.pop(key).close()
 

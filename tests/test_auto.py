@@ -73,6 +73,18 @@ def test_auto_routes_each_size_to_its_transport(worlds):
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
 
 
+def test_sizes_routed_apart_fail_on_the_timeout_on_every_rank(worlds):
+    """Ranks calling with sizes the plan sends to different transports cannot see each other's
+    call: each fails on the timeout naming the ranks that went elsewhere (README, Reliability)."""
+    w = worlds(3)
+    w.run(ac.make_auto, "a", tables=[MIXED] * 3, max_tokens=2, num_heads=6, head_dim=16, timeout_s=2.0)
+    res = w.run(ac.sizes_on_two_routes, "a", fresh_seed(), sizes=[1, 2, 2])
+    assert "timed out waiting for rank(s) [1, 2]" in res[0]["first"], res[0]
+    assert all("timed out waiting for rank(s) [0]" in r["first"] for r in res[1:]), res
+    assert all("poisoned" in r["next"] or "timed out" in r["next"] for r in res), res
+    w.run(rc.close_comm, "a")
+
+
 def test_ranks_that_measure_differently_agree(worlds):
     """Rank 0 alone would pick the push, rank 1 alone nothing faster than the pull: the slowest
     rank's time decides, on both; the transports the plan does not use are closed."""

@@ -19,6 +19,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 MAX_TOKENS = 32
+# The protocol cases need every rank's calls on one transport (auto may send two sizes to two
+# transports, and a mismatch across them shows as a timeout: tests/test_auto.py): the one
+# DCP_A2A_BACKEND names, else the push. The other tests run under the default, auto's plan.
+ONE_TRANSPORT = {"backend": os.environ.get("DCP_A2A_BACKEND", "triton").replace("auto", "triton")}
 
 
 @pytest.mark.parametrize("n", [2, 3, 6])
@@ -94,6 +98,8 @@ def test_layer_graphs_gpu(worlds):
         w = worlds(n, "cuda")
         w.run(rc.make_comm, "layer", device="cuda", max_tokens=64, num_heads=16 * n, head_dim=512,
               query_dim=576, query_dtype=torch.bfloat16)
+        if os.environ.get("DCP_A2A_BACKEND", "auto") == "auto":  # the seeds' scenario under auto's plan
+            assert all(r.startswith("measured") for r in w.run(rc.backend_reason, "layer")), "auto did not measure"
         names = w.run(gc.count_gather_launches, "layer", 8)
         assert all(len(k) == 1 and "lse_alltoall" in k[0] for k in names), names
         res = w.run(gc.layer_graphs, "layer", fresh_seed(), sizes=[1, 8, 64], layers=4, replays=8, timeout=600)
@@ -143,15 +149,15 @@ def test_two_channels_from_two_streams_and_epoch_wrap(worlds):
 
 def test_timeouts_mismatch_and_watchdog_gpu(worlds):
     w = worlds(3, "cuda")
-    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
+    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0, **ONE_TRANSPORT)
     for r, B in enumerate([3, 2, 3]):
         w.conns[r].send((rc.expect_mismatch.__module__, "expect_mismatch", ("to", B), {}))
     assert all("entered the same DCP call differently" in m for m in w._collect(range(3), 120))
     w.run(rc.close_comm, "to")
-    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
+    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0, **ONE_TRANSPORT)
     res = w.run(rc.expect_timeout, "to", ranks=[0], timeout=120)[0]
     assert res["missing"] == [1, 2] and res["elapsed"] < 1.0 + 2.0, res
-    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0)
+    w.run(rc.make_comm, "to", device="cuda", max_tokens=4, num_heads=12, head_dim=64, timeout_s=1.0, **ONE_TRANSPORT)
     assert "timed out" in w.run(rc.watchdog_sees_timeout, "to", ranks=[0], timeout=120)[0]
     w.run(rc.close_comm, "to")
 
@@ -162,7 +168,7 @@ def test_lockstep_cases_gpu(worlds):
     poisons the channel; a call every rank rejects, and B = 0 everywhere, leave it in step."""
     w = worlds(3, "cuda")
     make = lambda: w.run(rc.make_comm, "ls", device="cuda", max_tokens=4, num_heads=12, head_dim=64,
-                         timeout_s=30.0)
+                         timeout_s=30.0, **ONE_TRANSPORT)
     for sizes in ([0, 2, 2], [8, 4, 4]):
         make()
         res = w.run(lc.rank_sizes, "ls", fresh_seed(), sizes=sizes)

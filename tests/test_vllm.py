@@ -45,6 +45,9 @@ def test_the_log_says_when_the_users_ag_rs_choice_is_overridden(worlds):
                for line in res[0]["log"]), res[0]["log"]
     chosen = worlds(2).run(vc.current_lineage, fresh_seed(), True)[0]["log"]
     assert not any("overridden" in line for line in chosen), chosen
+    # the line says which transport and why (on the CPU auto is not measured)
+    assert any("(triton backend: every rank reaches every peer's buffer (not measured" in line
+               for line in chosen), chosen
 
 
 def test_non_mla_layers_build_their_communicator_before_capture(worlds):
