@@ -25,7 +25,6 @@ host's pace.
 """
 
 import argparse
-import contextlib
 import csv
 import datetime
 import json
@@ -33,15 +32,13 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import torch
 
 from dcp.protocol import ChannelLayout
-from dcp.spawn import World
+from dcp.spawn import World, mps_daemon
 from dcp.kernels import MAX_PEERS
 from dcp.spawn import RankError
 from . import ranks
@@ -99,25 +96,6 @@ def provenance(argv: list) -> dict:
     else:
         info["gpus"] = []
     return info
-
-
-@contextlib.contextmanager
-def mps_daemon(enabled: bool):
-    """Start the CUDA MPS daemon for the run (ranks on one GPU then run concurrently)."""
-    if not enabled:
-        yield
-        return
-    tmp = tempfile.mkdtemp(prefix="dcp-mps-")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": tmp, "CUDA_MPS_LOG_DIRECTORY": tmp}
-    os.environ.update(env)
-    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
-    try:
-        yield
-    finally:
-        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, timeout=30)
-        for k in env:
-            os.environ.pop(k, None)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def copy_rate() -> float:

@@ -5,10 +5,14 @@ with, the GPUs with their compute capability and which pairs have peer access, t
 kernel variant a communicator of the given geometry would load, for this machine's GPU or for the
 architectures named with ``--arch``, and judges each: 16-byte vector rows, spills, registers,
 shared memory. It exits 1 when a verdict is bad, 0 otherwise.
+
+With ``--measure`` it also times the transports on this host (``_measure``): push and pull for
+each GPU pair, and the plan ``backend="auto"`` would choose for every group size.
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -17,6 +21,8 @@ import torch
 import triton
 
 from dcp.compiled import ARCHES, hot_variants, judge
+from dcp.kernels import KIND_COMBINE
+from dcp.spawn import World, mps_daemon
 
 # The releases this package is tested with (pyproject.toml declares the same ranges): the GPU
 # tier on torch 2.11 + Triton 3.6; the CPU tier on torch 2.13 + Triton 3.6 and torch 2.14 + Triton
@@ -82,7 +88,68 @@ def _parse(argv: Optional[list]) -> argparse.Namespace:
                     help="compile for this architecture instead of this machine's GPU (repeatable)")
     ap.add_argument("--ptx-dir", type=Path, help="write the PTX of each variant here, one .ptx file each")
     ap.add_argument("--json", type=Path, help="write the whole report here as JSON")
+    ap.add_argument("--measure", action="store_true",
+                    help="time push and pull for each GPU pair (a combine of B = 1 and B = max tokens), and print "
+                         "the plan backend='auto' would choose for N = 2 up to every GPU (one GPU: for "
+                         "--world-size ranks sharing it, under CUDA MPS)")
+    ap.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for --measure")
     return ap.parse_args(argv)
+
+
+def _auto_plan(state, heads_per_rank: int, head_dim: int, query_dim: int, dtype: str, query_dtype: str,
+               max_tokens: int) -> dict:
+    """On each rank: an ``auto`` communicator, measured, and its plan (text, and every size's times)."""
+    import torch.distributed as dist
+    from dcp import DcpAllToAll
+
+    os.environ["DCP_A2A_MEASURE"] = "1"
+    n = dist.get_world_size()
+    with DcpAllToAll(dist.group.WORLD, max_tokens=max_tokens, num_heads=heads_per_rank * n, head_dim=head_dim,
+                     dtype=DTYPES[dtype], query_dim=query_dim, query_dtype=QUERY_DTYPES[query_dtype],
+                     backend="auto") as comm:
+        plan = comm.plan
+        return {"text": str(plan) if plan else f"{comm.backend} ({comm.backend_reason})",
+                "combine": plan.times(KIND_COMBINE) if plan else None}
+
+
+def _measure(a: argparse.Namespace, devices: list) -> Optional[dict]:
+    """``--measure``: per GPU pair (one GPU: two ranks sharing it) push and pull latency (a combine
+    of B = 1) and rate (B = max_tokens, the bytes one rank sends); then ``auto``'s plan for every
+    group size. Ranks sharing a GPU need CUDA MPS."""
+    if not devices:
+        print("not measured: no GPU here")
+        return None
+    one = len(devices) == 1
+    if one and not (a.mps or os.environ.get("CUDA_MPS_PIPE_DIRECTORY")):
+        print("not measured: ranks sharing this GPU need CUDA MPS (add --mps, or start nvidia-cuda-mps-control -d)")
+        return None
+    geometry = (a.heads_per_rank, a.head_dim, a.query_dim, a.dtype, a.query_dtype, a.max_tokens)
+    row_bytes = a.head_dim * DTYPES[a.dtype].itemsize
+
+    def plan_of(ranks: list) -> dict:
+        env = {} if one else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ranks))}
+        w = World(len(ranks), "cuda", env=env, pg_backend="gloo" if one else "nccl")
+        try:
+            return w.run(_auto_plan, *geometry, timeout=600)[0]  # the same plan on every rank
+        finally:
+            w.close()
+
+    out = {"pairs": [], "plans": {}}
+    with mps_daemon(a.mps):
+        print(f"push / pull per GPU pair: a combine of B = 1 (us) and of B = {a.max_tokens} (GB/s one rank sends)")
+        for i, j in [(0, 0)] if one else [(i, j) for i in range(len(devices)) for j in range(i + 1, len(devices))]:
+            times = plan_of([i, j])["combine"]
+            (_, _, small), (big_b, _, big) = times[0], times[-1]
+            sent = big_b * 2 * a.heads_per_rank * row_bytes
+            pair = {"gpus": [i, j], "latency_us": small, "GBps": {k: sent / us / 1e3 for k, us in big.items()}}
+            out["pairs"].append(pair)
+            print(f"  GPU {i} - GPU {j}: " + "; ".join(
+                f"{'push' if k == 'triton' else k} {small[k]:.1f} us, {pair['GBps'][k]:.0f} GB/s" for k in small))
+        for n in [a.world_size] if one else range(2, len(devices) + 1):
+            plan = plan_of(list(range(n)))
+            out["plans"][n] = plan["text"]
+            print(f"N = {n}: {plan['text']}")
+    return out
 
 
 def _geometry_error(a: argparse.Namespace) -> Optional[str]:
@@ -152,6 +219,8 @@ def main(argv: Optional[list] = None) -> int:
     if report["verdicts"]:
         print(f"{len(report['verdicts']) - len(bad)} of {len(report['verdicts'])} variants ok"
               + ("" if not bad else ": the backend would run slower than it should here"))
+    if a.measure:
+        report["measure"] = _measure(a, devices)
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
     return 1 if bad else 0

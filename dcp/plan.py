@@ -58,6 +58,10 @@ class Plan:
                 names.append(points[i][1])
             self.by_size[kind] = names
 
+    def times(self, kind: int) -> list:
+        """Every measured size of a collective: (size, the transport chosen, {candidate: us})."""
+        return list(self._choices[kind])
+
     def transport(self, kind: int, n_tokens: int) -> str:
         return self.by_size[kind][min(max(n_tokens, 0), self.max_tokens)]
 

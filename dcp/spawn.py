@@ -4,10 +4,14 @@ Each rank is a process (ranks on streams of one process can deadlock: docs/desig
 Every call has a timeout; on timeout or close the processes are killed, so no test leaves one behind.
 """
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -135,3 +139,22 @@ class World:
         for p in self.procs:
             p.join(max(0.1, deadline - time.monotonic()))
         self.kill()
+
+
+@contextlib.contextmanager
+def mps_daemon(enabled: bool):
+    """Start the CUDA MPS daemon for the run (ranks on one GPU then run concurrently)."""
+    if not enabled:
+        yield
+        return
+    tmp = tempfile.mkdtemp(prefix="dcp-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": tmp, "CUDA_MPS_LOG_DIRECTORY": tmp}
+    os.environ.update(env)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, timeout=30)
+        for k in env:
+            os.environ.pop(k, None)
+        shutil.rmtree(tmp, ignore_errors=True)

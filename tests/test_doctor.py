@@ -29,6 +29,13 @@ def test_without_a_gpu_or_arch_it_says_what_it_could_not_check():
         "--arch sm_120)"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_measure_without_a_gpu_says_so(tmp_path):
+    run = _doctor("--measure", "--json", str(tmp_path / "r.json"))
+    assert run.returncode == 0 and "not measured: no GPU here" in run.stdout.splitlines(), run.stdout + run.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["measure"] is None
+
+
 def test_arch_compiles_every_variant_writes_ptx_and_json(tmp_path):
     run = _doctor("--arch", "sm_90", "--world-size", "3", "--ptx-dir", str(tmp_path / "ptx"), "--json",
                   str(tmp_path / "r.json"))
