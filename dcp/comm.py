@@ -136,10 +136,11 @@ class DcpAllToAll:
     Transport: ``backend`` ``"triton"`` or ``"push"`` (one fused kernel pushing into peers' buffers;
     one host, peer access, at most 8 ranks), ``"pull"`` (the same kernel staging rows in this rank's
     own buffer, each rank reading its rows from its peers': for fabrics where peer writes
-    collapse), ``"nccl"`` (pack, the group's all-to-all, combine) or ``"auto"``: where every rank can
-    run the fused kernel, the ranks time the push, the pull and (with an NCCL group and a GPU per
-    rank) the NCCL path over call sizes up to ``max_tokens`` and agree on the fastest for each size
-    (``plan``, ``dcp.plan``; calls above ``max_tokens`` take ``max_tokens``'s); elsewhere nccl.
+    collapse), ``"nccl"`` (pack, the group's all-to-all, combine; calls paired by the group's order,
+    without the lockstep announcements) or ``"auto"``: where every rank can run the fused kernel,
+    the ranks time the push and the pull over call sizes up to ``max_tokens`` and agree on the
+    faster for each size (``plan``, ``dcp.plan``; calls above ``max_tokens`` take ``max_tokens``'s);
+    elsewhere nccl.
     ``DCP_A2A_MEASURE=0`` skips the measurement (the push serves), ``=1`` measures on the CPU too
     (not by default: the interpreter's times say nothing of a fabric). ``None`` reads
     ``DCP_A2A_BACKEND`` (default ``auto``). After construction ``backend`` names the transport
@@ -366,21 +367,14 @@ class DcpAllToAll:
         """
         return self.ranks_per_device == self.world and os.environ.get("DCP_A2A_FENCE_SCOPE") != "sys"
 
-    def _nccl_obstacle(self, wheres: list) -> Optional[str]:
-        """Why the NCCL path cannot be one of ``auto``'s candidates here (None: it can)."""
-        backend = dist.get_backend(self.group)
-        if self.device.type == "cpu":
-            return None if backend == "gloo" else f"the group's backend is {backend}, which cannot move CPU tensors"
-        if backend != "nccl":
-            return f"the group's backend is {backend}, not nccl"
-        if len(set(wheres)) < self.world:
-            return "ranks share a GPU, and NCCL runs one rank per GPU"
-        return None
-
     def _select(self, requested: str, facts: list) -> None:
         """Build the transport(s) every rank agrees on, and say why (``backend_reason``): the one
-        requested, or for ``auto`` the candidates ``_measure_plan`` chooses among (a fused transport
-        alone where measuring is off, ``nccl`` where no fused one can serve)."""
+        requested, or for ``auto`` the fused ones ``_measure_plan`` chooses among (the push alone
+        where measuring is off), ``nccl`` where none can serve.
+
+        The NCCL path is never one of ``auto``'s candidates: it pairs calls by the group's order, so
+        a call one rank rejects would pair its peers' call with that rank's next one, and its waits
+        are NCCL's, not ``timeout_s`` (docs/design.md, section 5.11)."""
         hosts, devices = [f[2].split("/")[0] for f in facts], [f[3] for f in facts]
         obstacle = self._triton_obstacle(hosts)
         if requested == "auto" and obstacle is None:
@@ -405,18 +399,12 @@ class DcpAllToAll:
             except DcpError as exc:  # raised on every rank alike: the fallback is collective too
                 if requested in FUSED_TRANSPORTS or isinstance(exc, DcpPeerLostError):
                     raise
-                reason = f"buffer setup failed: {exc}"
-                for transport in self._transports.values():
-                    transport.close()
-                self._transports.clear()
-                break
-        if requested == "auto" and self._transports and not measuring:
-            reason = ("every rank reaches every peer's buffer (not measured: "
-                      + ("DCP_A2A_MEASURE=0)" if self.device.type == "cuda" else "Triton's interpreter on the CPU)"))
-        nccl_obstacle = self._nccl_obstacle([f[2] for f in facts]) if measuring and self._transports else None
-        if nccl_obstacle is not None:
-            self._left_out["nccl"] = nccl_obstacle
-        elif requested == "nccl" or not self._transports or measuring:
+                reason = self._left_out[name] = f"buffer setup failed: {exc}"
+        if requested == "auto" and self._transports:
+            reason = "every rank reaches every peer's buffer" + (" (not measured: " + (
+                "DCP_A2A_MEASURE=0)" if self.device.type == "cuda" else "Triton's interpreter on the CPU)")
+                if not measuring else "".join(f"; {name} left out: {why}" for name, why in self._left_out.items()))
+        if not self._transports:
             self._transports["nccl"] = NcclTransport(self.group, self._layouts, self.device, self.channels)
         self.backend_reason = reason
 
@@ -425,14 +413,20 @@ class DcpAllToAll:
         plan from every rank's times, and close the transports it leaves unused. Collective."""
         t0 = time.perf_counter()
         mt, dev, cuda = self.max_tokens, self.device, self.device.type == "cuda"
-        po = torch.randn((mt, self.num_heads, self.head_dim), device=dev).to(self.dtype)
-        lse = torch.randn((mt, self.num_heads), device=dev)
-        y = torch.empty((mt, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=dev)
-        q16 = torch.randint(-1 << 15, 1 << 15, (mt, self.heads_per_rank, self._query_words), dtype=torch.int16,
-                            device=dev)
-        y16 = torch.empty((mt, self.num_heads, self._query_words), dtype=torch.int16, device=dev)
-        calls = {KIND_COMBINE: (self._operands(po, lse, y, None), po, lse, y),
-                 KIND_GATHER: (self._gather_operands(q16, y16), q16, None, y16)}
+        error = None
+        try:  # inputs of max_tokens, and the timer; every rank has them before any rank calls
+            po = torch.randn((mt, self.num_heads, self.head_dim), device=dev).to(self.dtype)
+            lse = torch.randn((mt, self.num_heads), device=dev)
+            y = torch.empty((mt, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=dev)
+            q16 = torch.randint(-1 << 15, 1 << 15, (mt, self.heads_per_rank, self._query_words), dtype=torch.int16,
+                                device=dev)
+            y16 = torch.empty((mt, self.num_heads, self._query_words), dtype=torch.int16, device=dev)
+            calls = {KIND_COMBINE: (self._operands(po, lse, y, None), po, lse, y),
+                     KIND_GATHER: (self._gather_operands(q16, y16), q16, None, y16)}
+            timer = auto_plan.CudaTimer(dev) if cuda else auto_plan.HostTimer()
+        except Exception as exc:  # reported to every rank by agree()
+            error = f"{type(exc).__name__}: {exc}"
+        agree(self.group, error, "auto: preparing the measurement")
 
         def runner(transport):
             def run(kind: int, b: int) -> None:
@@ -448,7 +442,6 @@ class DcpAllToAll:
             return None if error is None else str(error)
 
         sizes = auto_plan.ladder(mt)
-        timer = auto_plan.CudaTimer(dev) if cuda else auto_plan.HostTimer()
         runs = {name: runner(t) for name, t in self._transports.items()}
         table, failed = auto_plan.measure(runs, failure, sizes, timer, warm=1 if cuda else 0, reps=8 if cuda else 1,
                                           rounds=2 if cuda else 1)
@@ -691,6 +684,11 @@ class DcpAllToAll:
             for c in range(self.channels):
                 self._host_poison.setdefault(c, f"a call named channel {channel!r}, which does not exist")
             raise ValueError(f"channel: expected an integer in [0, {self.channels}), got {channel!r}")
+        routes = self._routes[kind]
+        try:
+            transport = routes[min(first.shape[0], self.max_tokens)] if first.dim() else routes[1]
+        except Exception:  # not a tensor: rejected below, announced on the smallest calls' route
+            transport = routes[1]
         busy = self._busy[channel]
         if not busy.acquire(blocking=False):
             self._check_open()
@@ -698,9 +696,6 @@ class DcpAllToAll:
             self._host_poison.setdefault(channel, "two threads called on it at once")
             raise DcpError(f"channel {channel} is busy: another thread of this process is inside a call on "
                            f"it (calls that may run concurrently need channels of their own); {POISONED_NOTE}")
-        routes = self._routes[kind]
-        transport = routes[min(first.shape[0], self.max_tokens)] if (
-            isinstance(first, torch.Tensor) and first.dim()) else routes[1]
         error = self._channel_error(channel)
         if error is not None:
             try:
@@ -937,8 +932,14 @@ class DcpAllToAll:
         except Exception as exc:
             log.warning("DcpAllToAll.close: barrier with peers failed (%s); releasing local buffers", exc)
         finally:
+            errors = []
             for transport in self._transports.values():
-                transport.close()
+                try:
+                    transport.close()
+                except Exception as exc:  # the others are still released
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
 
     def __enter__(self) -> "DcpAllToAll":
         return self

@@ -1,8 +1,8 @@
 """``auto``'s plan: which transport serves each call size, measured on the machine it runs on.
 
 No fabric can be known in advance: peer writes collapse on some PCIe topologies, peer reads on
-others, and NCCL wins large calls on some (``docs/design.md``, section 5.11). So at construction
-every rank times each candidate transport over a ladder of call sizes (``measure``), the ranks
+others (``docs/design.md``, section 5.11). So at construction every rank times each candidate
+transport (the push and the pull) over a ladder of call sizes (``measure``), the ranks
 exchange their tables, and each derives the same plan from the same numbers (``choose``): for each
 collective and measured size, the candidate whose slowest rank was fastest. Every rank therefore
 sends a call of a given size to the same transport, whatever its own clock said.
@@ -17,8 +17,8 @@ import torch
 from dcp.kernels import KIND_COMBINE, KIND_GATHER
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
-# Within this fraction of the fastest, the earlier candidate wins: the fused transports come before
-# NCCL (they keep the lockstep announcements), the push before the pull (the most proven).
+# Within this fraction of the fastest, the earlier candidate wins: the push before the pull (the
+# most proven).
 TIE = 0.02
 
 
@@ -130,7 +130,8 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], sizes: list, ti
     ``hold()`` before the warm calls (which also line the ranks up), ``start()`` after them and
     ``stop(reps)`` -> us per call.
     A candidate that raises stops being called here; its peers' next calls then fail on the
-    timeout, and it is left out on every rank. Each point is the best of ``rounds``.
+    timeout (the candidates are fused transports: bounded waits), and it is left out on every rank.
+    Each point is the best of ``rounds``.
     """
     table, failed = {}, {}
     for name, run in runs.items():

@@ -6,17 +6,20 @@ from unittest import mock
 
 import torch.distributed as dist
 
+import dcp.buffers
 import dcp.plan
 from dcp import DcpAllToAll
 from dcp.kernels import KIND_COMBINE, KIND_GATHER
 
 
-def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", measure: str = "1", **kwargs) -> dict:
+def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", measure: str = "1",
+              second_open_fails_on: int = -1, **kwargs) -> dict:
     """Construct with ``backend="auto"`` and measuring on (``measure``: ``DCP_A2A_MEASURE``).
 
     ``tables``: per rank, ``{(candidate, kind, size): us}`` this rank reports instead of timing
     (``None``: time for real). ``fail`` on rank ``fail_on``: that candidate raises at its first
-    measured call there. Each transport's launches are counted from then on (``counts``)."""
+    measured call there. ``second_open_fails_on``: that rank's second buffer setup (the pull's)
+    fails. Each transport's launches are counted from then on (``counts``)."""
     real = dcp.plan.measure
     rank = dist.get_rank()
 
@@ -29,7 +32,18 @@ def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", m
             return {tuple(k): v for k, v in tables[rank]}, {}
         return real(runs, failure, sizes, timer, **kw)
 
-    with mock.patch.object(dcp.plan, "measure", fake), mock.patch.dict(os.environ, {"DCP_A2A_MEASURE": measure}):
+    provider = dcp.buffers.HostShmProvider
+    real_open, opened = provider.open, []
+
+    def open_(self, group, nbytes):
+        opened.append(nbytes)
+        if len(opened) == 2 and rank == second_open_fails_on:
+            with mock.patch.object(provider, "_map", side_effect=OSError("injected failure")):
+                return real_open(self, group, nbytes)
+        return real_open(self, group, nbytes)
+
+    with mock.patch.object(dcp.plan, "measure", fake), mock.patch.dict(os.environ, {"DCP_A2A_MEASURE": measure}), \
+            mock.patch.object(provider, "open", open_):
         comm = state[key] = DcpAllToAll(dist.group.WORLD, backend="auto", **kwargs)
     state[key + "/counts"] = counts = {name: 0 for name in comm._transports}
     for name, transport in comm._transports.items():
@@ -55,13 +69,13 @@ def counts(state, key: str, reset: bool = True) -> dict:
 
 def sizes_on_two_routes(state, key: str, seed: int, sizes: list) -> dict:
     """Rank r combines B = sizes[r], sizes the plan sends to different transports: each rank waits
-    on its own route, so every rank fails on the timeout naming the ranks that went elsewhere,
-    writes NaN rows, and its channel stays poisoned."""
+    on its own route and fails, naming the ranks that went elsewhere (on the timeout, or on a
+    faster rank's next call announcing that it failed), and its channel stays poisoned."""
     from tests.lockstep_cases import _inputs, _raises, _then_poisoned
-    from dcp import DcpTimeoutError
+    from dcp import DcpMismatchError, DcpTimeoutError
 
     comm = state[key]
     B = sizes[comm.rank]
     _, _, po, pl = _inputs(comm, seed, B)
-    first = _raises(lambda: comm.lse_reduce(po, pl, check=True), (DcpTimeoutError,))
+    first = _raises(lambda: comm.lse_reduce(po, pl, check=True), (DcpTimeoutError, DcpMismatchError))
     return {"first": first, "next": _then_poisoned(comm, seed + 1)}
