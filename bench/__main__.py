@@ -338,7 +338,7 @@ def main(argv=None) -> None:
 
 def geometry_error(args: argparse.Namespace):
     """The communicator's own rules, applied before any rank is spawned (None: every point fits)."""
-    from dcp.comm import combine_geometry_error, query_geometry_error
+    from dcp.checks import combine_geometry_error, query_geometry_error
 
     for d in args.head_dim:
         error = combine_geometry_error(2, 2 * args.heads_per_rank, d, getattr(torch, args.dtype))

@@ -80,7 +80,7 @@ class _Launcher:
     none of that: it is launched with the pointers as integers on the stream of ``device``, by the
     launcher's C entry point where the kernel needs no scratch memory (Triton 3.6's Python wrapper
     around it only allocates scratch). ``variant`` must determine everything Triton specializes on
-    (``DcpAllToAll._operands``; its second field says whether rows are 16-byte aligned). On CPU
+    (``dcp.checks.launch_operands``; its second field says whether rows are 16-byte aligned). On CPU
     tensors the interpreter runs the kernel. With a launch hook set (profilers), Triton's handle
     launches it, so the hooks run.
     """
@@ -182,7 +182,7 @@ class TritonTransport:
 
     def launch(self, variant, strides, po, lse, y, y_lse, n_tokens, tag, channel, write_lse, base_e,
                meta=None, plan=None) -> None:
-        """``strides``: the kernel's eight stride arguments (``DcpAllToAll._operands``); ``tag``: the
+        """``strides``: the kernel's eight stride arguments (``dcp.checks.launch_operands``); ``tag``: the
         call's (``dcp.protocol.call_tag``), the same for every launch of one call; it picks the
         collective (announcements, which move no data, take the combine's). ``meta``: the batch
         metadata's launch arguments (``no_metadata``'s form; default none)."""

@@ -1,7 +1,6 @@
 """``DcpAllToAll``: the communicator that owns the buffers, validates calls and picks a transport."""
 
 import logging
-import math
 import numbers
 import os
 import socket
@@ -16,98 +15,18 @@ import torch.distributed as dist
 from dcp.kernels import KIND_COMBINE, KIND_GATHER, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
 from dcp import plan as auto_plan
 from dcp.backends import FUSED_TRANSPORTS, NcclTransport, TritonTransport
+from dcp.checks import (LSE_DTYPES, as_words, combine_geometry_error, expect, gather_operands, launch_operands,
+                        metadata, query_geometry_error, refuse_overlap)
 from dcp.errors import DcpError, DcpPeerLostError
 from dcp.protocol import POISONED_NOTE, ChannelLayout, ChannelRegion, call_tag
 from dcp.rendezvous import agree, all_gather, barrier
 
 log = logging.getLogger("dcp")
 
-LSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-META_DTYPES = (torch.int32, torch.int64)
-QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 BACKENDS = ("auto", "triton", "push", "pull", "nccl")  # "push" is another name of "triton"
-MAX_HEAD_DIM = 1024
 DEFAULT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}
 MAX_TIMEOUT_S = 86400.0
 _INT_ARGS = ("max_tokens", "num_heads", "head_dim", "channels", "query_dim")
-
-
-def combine_geometry_error(world: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
-    """Why a combine of this geometry cannot be served (None: it can)."""
-    if num_heads <= 0 or num_heads % world:
-        return f"num_heads must be a positive multiple of the group size {world}; got {num_heads}"
-    if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        return f"head_dim must be a positive multiple of 8 up to {MAX_HEAD_DIM}; got {head_dim}"
-    if dtype not in OUT_DTYPES:
-        return f"dtype must be torch.float16, torch.bfloat16 or torch.float32; got {dtype}"
-    return None
-
-
-def query_geometry_error(query_dim: int, query_dtype: torch.dtype) -> Optional[str]:
-    """Why a query all-gather of this geometry cannot be served (None: it can)."""
-    if query_dtype not in QUERY_DTYPES:
-        return f"query_dtype must be one of {', '.join(map(str, QUERY_DTYPES))}; got {query_dtype}"
-    fp8 = query_dtype.itemsize == 1
-    if query_dim <= 0 or query_dim % (16 if fp8 else 8) or query_dim > MAX_HEAD_DIM:
-        return (f"query_dim must be a positive multiple of {16 if fp8 else 8} up to {MAX_HEAD_DIM}"
-                + (" for fp8 queries (rows move as 16-byte aligned 16-bit words)" if fp8 else "")
-                + f"; got {query_dim}")
-    return None
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in t.shape) + "]"
-
-
-def _expect(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
-    """Accept ``t`` or raise naming what was expected and what came (messages built only then).
-
-    The last dimension's stride is checked where strides are read (``DcpAllToAll._operands``)."""
-    if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device:
-        return
-    want = "[" + ", ".join(str(s) for s in shape) + "]"
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(shape):
-        raise ValueError(f"{name}: expected {len(shape)} dimensions {want}, got shape {_shape(t)}")
-    if t.shape != shape:
-        raise ValueError(f"{name}: expected shape {want}, got {_shape(t)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    raise ValueError(f"{name}: expected device {device}, got {t.device}")
-
-
-def _span(t: torch.Tensor) -> tuple:
-    """[first, last) byte addresses a tensor's elements can touch."""
-    if t.numel() == 0:
-        return (0, 0)
-    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0) + 1
-    return (t.data_ptr(), t.data_ptr() + extent * t.element_size())
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views of one allocation may share an element: their spans first, then torch's
-    own check, which also refuses views that interleave without touching."""
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    if a0 >= b1 or b0 >= a1:
-        return False
-    return bool(torch._C._overlaps(a, b))
-
-
-def _words(name: str, t: torch.Tensor) -> torch.Tensor:
-    """A query tensor as 16-bit words (what the gather moves), or raise naming it."""
-    _unit_last_stride(name, t, t.stride(-1))
-    try:
-        return t.view(torch.int16)
-    except RuntimeError:
-        raise ValueError(f"{name}: expected strides that are whole 16-bit words, got strides {tuple(t.stride())} "
-                         f"of {t.dtype}") from None
-
-
-def _unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
-    if stride != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
 
 
 class DcpAllToAll:
@@ -235,7 +154,7 @@ class DcpAllToAll:
             self.warmup()
             po, y, lses, _ = self._examples()
             # What a call that moves no data launches with (a rejected call's own tensors may be unusable).
-            self._idle_call = (*self._operands(po, lses[0], y, None), po, lses[0], y, self._lse_scratch)
+            self._idle_call = (*launch_operands(po, lses[0], y, None), po, lses[0], y, self._lse_scratch)
             if len(self._transports) > 1:
                 self._measure_plan()
         except BaseException:
@@ -421,8 +340,8 @@ class DcpAllToAll:
             q16 = torch.randint(-1 << 15, 1 << 15, (mt, self.heads_per_rank, self._query_words), dtype=torch.int16,
                                 device=dev)
             y16 = torch.empty((mt, self.num_heads, self._query_words), dtype=torch.int16, device=dev)
-            calls = {KIND_COMBINE: (self._operands(po, lse, y, None), po, lse, y),
-                     KIND_GATHER: (self._gather_operands(q16, y16), q16, None, y16)}
+            calls = {KIND_COMBINE: (launch_operands(po, lse, y, None), po, lse, y),
+                     KIND_GATHER: (gather_operands(q16, y16), q16, None, y16)}
             timer = auto_plan.CudaTimer(dev) if cuda else auto_plan.HostTimer()
         except Exception as exc:  # reported to every rank by agree()
             error = f"{type(exc).__name__}: {exc}"
@@ -448,53 +367,16 @@ class DcpAllToAll:
         if cuda:
             torch.cuda.synchronize(dev)
         self._host_poison.clear()  # what a candidate's failure left here: that candidate is left out
-        facts = all_gather(self.group, (table, failed, time.perf_counter() - t0), "measuring the transports")
-        left_out = dict(self._left_out)
-        for r, (_, fails, _) in enumerate(facts):
-            for name, why in fails.items():
-                left_out.setdefault(name, f"failed on rank {r} while measured: {why}")
-        candidates = [name for name in self._transports if name not in left_out]
-        if not candidates:
-            raise DcpError(f"auto: every transport failed while measured: {left_out}")
-        plan = auto_plan.choose([f[0] for f in facts], candidates, sizes, left_out, mt, max(f[2] for f in facts))
+        plan = auto_plan.agree(self.group, table, failed, time.perf_counter() - t0, list(self._transports), sizes,
+                               self._left_out, mt)
         # Every rank has synchronized before the exchange: no kernel of any rank still uses these.
         for name in [n for n in self._transports if n not in plan.transports]:
             self._transports.pop(name).close()
         self.plan = plan
         self.backend_reason = f"measured in {plan.seconds:.2f} s: {plan.summary()}" + "".join(
-            f"; {name} left out: {why}" for name, why in left_out.items())
+            f"; {name} left out: {why}" for name, why in plan.left_out.items())
 
     # --- readiness -----------------------------------------------------------------------------
-    @staticmethod
-    def _operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: Optional[torch.Tensor]) -> tuple:
-        """The launch's variant and its eight stride arguments, each tensor's strides read once.
-
-        The variant is everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer
-        alignments. A pointer counts as aligned only if every token's row is, so that the chunks
-        of a call with B > max_tokens share the variant of the whole call. Aligned row strides go
-        to the kernel divided by 8, which proves their alignment to it. ``y_lse`` None: the LSE
-        is not written (the kernel gets the scratch word and strides that are never used).
-        """
-        (po_b, po_h, po_d), (y_b, y_h, y_d), (l_b, l_h) = po.stride(), y.stride(), lse.stride()
-        yl_b, yl_h = y_lse.stride() if y_lse is not None else (1, 1)
-        if po_d != 1 or y_d != 1:
-            _unit_last_stride("partial_out", po, po_d)
-            _unit_last_stride("out", y, y_d)
-        po_ok = po_b % 8 == 0 and po.data_ptr() % 16 == 0
-        y_ok = y_b % 8 == 0 and y.data_ptr() % 16 == 0
-        if po_ok and y_ok and po_h % 8 == 0 and y_h % 8 == 0:
-            return (lse.dtype, True, True, True), (po_b // 8, po_h // 8, l_b, l_h, y_b // 8, y_h // 8, yl_b, yl_h)
-        return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h)
-
-    def _gather_operands(self, q16: torch.Tensor, y16: torch.Tensor) -> tuple:
-        """The gather's variant and stride arguments, as ``_operands`` (on the 16-bit word views)."""
-        (q_b, q_h, _), (y_b, y_h, _) = q16.stride(), y16.stride()
-        q_ok = q_b % 8 == 0 and q16.data_ptr() % 16 == 0
-        y_ok = y_b % 8 == 0 and y16.data_ptr() % 16 == 0
-        if q_ok and y_ok and q_h % 8 == 0 and y_h % 8 == 0:
-            return (KIND_GATHER, True, True, True), (q_b // 8, q_h // 8, 0, 0, y_b // 8, y_h // 8, 0, 0)
-        return (KIND_GATHER, False, q_ok, y_ok), (q_b, q_h, 0, 0, y_b, y_h, 0, 0)
-
     def warmup(self, partial_out: Optional[torch.Tensor] = None,
                partial_lse: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, *,
                q_local: Optional[torch.Tensor] = None, q_out: Optional[torch.Tensor] = None) -> None:
@@ -513,12 +395,12 @@ class DcpAllToAll:
             y = out if out is not None else torch.empty(
                 (1, self.heads_per_rank, self.head_dim), dtype=self.dtype, device=self.device)
             lse = partial_lse if partial_lse is not None else self._lse_scratch
-            self._load(KIND_COMBINE, (partial_out, lse, y), self._operands(partial_out, lse, y, None))
+            self._load(KIND_COMBINE, (partial_out, lse, y), launch_operands(partial_out, lse, y, None))
         if q_local is not None:
             y = q_out if q_out is not None else torch.empty(
                 (1, self.num_heads, self.query_dim), dtype=self.query_dtype, device=self.device)
             q16, y16 = q_local.view(torch.int16), y.view(torch.int16)
-            self._load(KIND_GATHER, (q16, self._lse_scratch, y16), self._gather_operands(q16, y16))
+            self._load(KIND_GATHER, (q16, self._lse_scratch, y16), gather_operands(q16, y16))
         if partial_out is None and q_local is None:
             for kind, tensors, operands in self._example_jobs():
                 self._load(kind, tensors, operands)
@@ -536,8 +418,8 @@ class DcpAllToAll:
     def _example_jobs(self) -> list:
         """(kind, launch tensors, operands) of every well-aligned variant."""
         po, y, lses, (q16, y16) = self._examples()
-        jobs = [(KIND_COMBINE, (po, lse, y), self._operands(po, lse, y, None)) for lse in lses]
-        return jobs + [(KIND_GATHER, (q16, self._lse_scratch, y16), self._gather_operands(q16, y16))]
+        jobs = [(KIND_COMBINE, (po, lse, y), launch_operands(po, lse, y, None)) for lse in lses]
+        return jobs + [(KIND_GATHER, (q16, self._lse_scratch, y16), gather_operands(q16, y16))]
 
     def _compile_shared(self) -> None:
         """Collective: compile the constructor's variants once per host, not once per rank.
@@ -609,7 +491,7 @@ class DcpAllToAll:
         try:
             try:
                 B = self._validate(partial_out, partial_lse, out, out_lse)
-                meta = None if seq_lens is None and query_start_loc is None else self._metadata(seq_lens,
+                meta = None if seq_lens is None and query_start_loc is None else metadata(self.device, seq_lens,
                                                                                                query_start_loc)
                 y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim),
                                                             dtype=self.dtype, device=self.device)
@@ -617,9 +499,9 @@ class DcpAllToAll:
                 if return_lse:
                     y_lse = out_lse if out_lse is not None else torch.empty(
                         (B, self.heads_per_rank), dtype=torch.float32, device=self.device)
-                operands = self._operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
+                operands = launch_operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
                 if out is not None or out_lse is not None:
-                    self._refuse_overlap((("partial_out", partial_out), ("partial_lse", partial_lse)),
+                    refuse_overlap((("partial_out", partial_out), ("partial_lse", partial_lse)),
                                          (("out", out), ("out_lse", out_lse)))
                 if operands[0] not in self._ready:
                     self._load(KIND_COMBINE, (partial_out, partial_lse, y), operands)
@@ -650,9 +532,9 @@ class DcpAllToAll:
                 y = out if out is not None else torch.empty((B, self.num_heads, self.query_dim),
                                                             dtype=self.query_dtype, device=self.device)
                 if out is not None:
-                    self._refuse_overlap((("q_local", q_local),), (("out", out),))
-                q16, y16 = _words("q_local", q_local), _words("out", y)
-                operands = self._gather_operands(q16, y16)
+                    refuse_overlap((("q_local", q_local),), (("out", out),))
+                q16, y16 = as_words("q_local", q_local), as_words("out", y)
+                operands = gather_operands(q16, y16)
                 if operands[0] not in self._ready:
                     self._load(KIND_GATHER, (q16, self._lse_scratch, y16), operands)
             except BaseException:
@@ -749,24 +631,6 @@ class DcpAllToAll:
             self._host_poison.setdefault(channel, f"a call failed between its launches ({type(exc).__name__})")
             raise
 
-    @staticmethod
-    def _refuse_overlap(inputs: tuple, outputs: tuple) -> None:
-        """Outputs are written while other programs (and, chunk by chunk, later launches) still read
-        the inputs: no output may share memory with an input or with another output. Only views of
-        one allocation can share it: each tensor's allocation is read once, and only tensors of one
-        allocation are compared further (``_overlaps``)."""
-        named = [(name, t, t.untyped_storage().data_ptr()) for name, t in inputs + outputs if t is not None]
-        bases = [base for _, _, base in named]
-        if len(set(bases)) == len(bases):
-            return  # every tensor has an allocation of its own
-        first_out = sum(1 for _, t in inputs if t is not None)
-        for i in range(first_out, len(named)):
-            a_name, a, a_base = named[i]
-            for b_name, b, b_base in named[:i]:
-                if a_base == b_base and _overlaps(a, b):
-                    raise ValueError(f"{a_name}: expected memory of its own, but it overlaps {b_name} (outputs "
-                                     "must not share, or interleave with, the memory of inputs or other outputs)")
-
     def _validate(self, po, lse, out, out_lse) -> int:
         """The call's B, or raise naming the argument that does not fit.
 
@@ -786,45 +650,23 @@ class DcpAllToAll:
                 and shape[0] <= TAG_MAX_TOKENS):
             return shape[0]
         B = po.shape[0] if isinstance(po, torch.Tensor) and po.dim() == 3 else "B"  # "B": raises below
-        _expect("partial_out", po, (B, h, d), (dt,), dev)
-        _expect("partial_lse", lse, (B, h), LSE_DTYPES, dev)
+        expect("partial_out", po, (B, h, d), (dt,), dev)
+        expect("partial_lse", lse, (B, h), LSE_DTYPES, dev)
         if out is not None:
-            _expect("out", out, (B, hn, d), (dt,), dev)
+            expect("out", out, (B, hn, d), (dt,), dev)
         if out_lse is not None:
-            _expect("out_lse", out_lse, (B, hn), (torch.float32,), dev)
+            expect("out_lse", out_lse, (B, hn), (torch.float32,), dev)
         if B > TAG_MAX_TOKENS:
             raise ValueError(f"partial_out: expected at most {TAG_MAX_TOKENS} tokens per call; got {B}")
         return B
-
-    def _metadata(self, seq_lens, query_start_loc) -> tuple:
-        """vLLM's batch metadata as launch arguments (int32 views, element strides), or raise as vLLM
-        does for an inconsistent pair (and naming what else does not fit)."""
-        if seq_lens is None or query_start_loc is None:
-            raise ValueError("seq_lens and query_start_loc must be provided together")
-        for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if seq_lens.dim() != 1 or query_start_loc.dim() != 1 or query_start_loc.shape[0] != seq_lens.shape[0] + 1:
-            raise ValueError("query_start_loc must contain one boundary per sequence")
-        words = []
-        for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-            if t.dtype not in META_DTYPES or t.device != self.device:
-                raise TypeError(f"{name}: expected torch.int32 or torch.int64 on {self.device}, got {t.dtype} "
-                                f"on {t.device}")
-            if t.dtype == torch.int64:  # its low 32-bit words (little-endian), in place: no copy
-                t = torch.empty(0, dtype=torch.int32, device=t.device).set_(
-                    t.untyped_storage(), 2 * t.storage_offset(), t.shape, (2 * t.stride(0),))
-            words.append((t, t.stride(0)))
-        (sl, s_sl), (qsl, s_qsl) = words
-        return (sl, qsl, seq_lens.shape[0], s_sl, s_qsl)
 
     def _validate_query(self, q, out) -> int:
         """The gather's B, or raise naming the argument that does not fit."""
         hn, h, dq, dev, dt = self.heads_per_rank, self.num_heads, self.query_dim, self.device, self.query_dtype
         B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else "B"  # "B": raises below
-        _expect("q_local", q, (B, hn, dq), (dt,), dev)
+        expect("q_local", q, (B, hn, dq), (dt,), dev)
         if out is not None:
-            _expect("out", out, (B, h, dq), (dt,), dev)
+            expect("out", out, (B, h, dq), (dt,), dev)
         if B > TAG_MAX_TOKENS:
             raise ValueError(f"q_local: expected at most {TAG_MAX_TOKENS} tokens per call; got {B}")
         return B

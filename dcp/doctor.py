@@ -153,7 +153,7 @@ def _measure(a: argparse.Namespace, devices: list) -> Optional[dict]:
 
 
 def _geometry_error(a: argparse.Namespace) -> Optional[str]:
-    from dcp.comm import combine_geometry_error, query_geometry_error
+    from dcp.checks import combine_geometry_error, query_geometry_error
     if not 2 <= a.world_size <= 8:
         return f"--world-size must be from 2 to 8; got {a.world_size}"
     if a.heads_per_rank < 1 or a.max_tokens < 1:

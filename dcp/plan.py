@@ -14,7 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
+from dcp.errors import DcpError
 from dcp.kernels import KIND_COMBINE, KIND_GATHER
+from dcp.rendezvous import all_gather
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
 # Within this fraction of the fastest, the earlier candidate wins: the push before the pull (the
@@ -118,6 +120,22 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
             points.append((b, next(name for name in candidates if times[name] <= best * (1 + TIE)), times))
         choices[kind] = points
     return Plan(max_tokens, choices, left_out, seconds)
+
+
+def agree(group, table: dict, failed: dict, seconds: float, candidates: list, sizes: list, left_out: dict,
+          max_tokens: int) -> Plan:
+    """Collective: exchange every rank's ``measure`` results and derive the same plan on every rank.
+    A candidate that failed on any rank is left out (with the first such rank's reason), as are
+    those in ``left_out`` already; if none is left, every rank raises alike."""
+    facts = all_gather(group, (table, failed, seconds), "measuring the transports")
+    left_out = dict(left_out)
+    for r, (_, fails, _) in enumerate(facts):
+        for name, why in fails.items():
+            left_out.setdefault(name, f"failed on rank {r} while measured: {why}")
+    kept = [name for name in candidates if name not in left_out]
+    if not kept:
+        raise DcpError(f"auto: every transport failed while measured: {left_out}")
+    return choose([f[0] for f in facts], kept, sizes, left_out, max_tokens, max(f[2] for f in facts))
 
 
 def measure(runs: dict, failure: Callable[[str], Optional[str]], sizes: list, timer, warm: int, reps: int,

@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from dcp.comm import DcpAllToAll, combine_geometry_error
+from dcp.checks import combine_geometry_error
+from dcp.comm import DcpAllToAll
 from dcp.errors import DcpError
 
 log = logging.getLogger("dcp")

@@ -34,7 +34,8 @@ from typing import Optional
 import torch
 
 from dcp import vllm as dropin
-from dcp.comm import DcpAllToAll, combine_geometry_error, query_geometry_error
+from dcp.checks import combine_geometry_error, query_geometry_error
+from dcp.comm import DcpAllToAll
 from dcp.errors import DcpError
 
 # A child of vLLM's logger, so that its lines appear in vLLM's log.
