@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
+from dcp.checks import launch_operands
 from dcp.protocol import call_tag
 from dcp.kernels import KIND_COMBINE
 from dcp.reference import make_inputs
@@ -48,7 +49,7 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     po, pl = outs[rank].to(comm.device), lses[rank].to(comm.device)
     y = torch.empty((B, comm.heads_per_rank, head_dim), dtype=comm.dtype, device=comm.device)
     t, scratch = comm._transport, comm._lse_scratch
-    key, strides = comm._operands(po, pl, y, None)
+    key, strides = launch_operands(po, pl, y, None)
     tag = call_tag(KIND_COMBINE, B)
     one = torch.zeros(1, device=comm.device)
     cuda = comm.device.type == "cuda"
@@ -57,7 +58,7 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
         HELD_STEP: lambda: comm.lse_reduce(po, pl, out=y),
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
         "  _validate": lambda: comm._validate(po, pl, y, None),
-        "  _operands": lambda: comm._operands(po, pl, y, None),
+        "  launch_operands": lambda: launch_operands(po, pl, y, None),
         "  transport.launch": lambda: t.launch(key, strides, po, pl, y, scratch, B, tag, 0, False, True),
         "for scale: a 1-element torch add_": lambda: one.add_(1),
         "empty step (timer only)": lambda: None,

@@ -166,6 +166,8 @@ class DcpAllToAll:
         # kind -> the transport of each call size, index min(B, max_tokens)
         self._routes = {kind: [self._transports[name] for name in self.plan.by_size[kind]] if self.plan
                         else [self._transport] * (self.max_tokens + 1) for kind in self._layouts}
+        # The one transport every call takes, where there is one: calls then skip the routing.
+        self._only = self._transport if len(self._transports) == 1 else None
         if self.rank == 0:
             log.info("DCP all-to-all backend: %s (%s)", self.backend, self.backend_reason)
             if self.plan is not None:
@@ -566,11 +568,7 @@ class DcpAllToAll:
             for c in range(self.channels):
                 self._host_poison.setdefault(c, f"a call named channel {channel!r}, which does not exist")
             raise ValueError(f"channel: expected an integer in [0, {self.channels}), got {channel!r}")
-        routes = self._routes[kind]
-        try:
-            transport = routes[min(first.shape[0], self.max_tokens)] if first.dim() else routes[1]
-        except Exception:  # not a tensor: rejected below, announced on the smallest calls' route
-            transport = routes[1]
+        transport = self._only or self._route(kind, first)
         busy = self._busy[channel]
         if not busy.acquire(blocking=False):
             self._check_open()
@@ -592,8 +590,18 @@ class DcpAllToAll:
             return DcpError(f"channel {channel} is poisoned: {self._host_poison[channel]}; {POISONED_NOTE}")
         return self._device_error(channel)
 
+    def _route(self, kind: int, first) -> object:
+        """The plan's transport for a call whose first argument is ``first`` (by its B)."""
+        routes = self._routes[kind]
+        try:
+            return routes[min(first.shape[0], self.max_tokens)]
+        except Exception:  # no first dimension (not a tensor, or 0-d): rejected later, on the smallest calls' route
+            return routes[1]
+
     def _device_error(self, channel: int) -> Optional[DcpError]:
         """The first recorded failure of a channel in any transport in use (host reads)."""
+        if self._only is not None:
+            return self._only.error(channel)
         for transport in self._transports.values():
             error = transport.error(channel)
             if error is not None:
