@@ -151,7 +151,10 @@ def test_a_candidate_failing_while_measured_is_left_out(worlds):
                 timeout_s=3.0)
     assert all(r["plan"] == res[0]["plan"] for r in res), res
     left = res[0]["plan"]["left_out"]
-    assert list(left) == ["pull"] and "waiting for rank(s) [1]" in left["pull"], left
+    # (rank 0 timed out waiting for rank 1, and, on a loaded machine, maybe for rank 2 too)
+    missed = re.search(r"failed on rank 0 while measured: .*timed out waiting for rank\(s\) \[([\d, ]+)\]",
+                       left["pull"])
+    assert list(left) == ["pull"] and missed and "1" in missed.group(1).split(", "), left
     assert "pull" not in res[0]["in_use"] and "pull left out" in res[0]["reason"], res[0]
     w.run(rc.lse_case, "a", fresh_seed(), B=3)
     w.run(rc.close_comm, "a")
