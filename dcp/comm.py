@@ -322,9 +322,12 @@ class DcpAllToAll:
                     raise
                 reason = self._left_out[name] = f"buffer setup failed: {exc}"
         if requested == "auto" and self._transports:
-            reason = "every rank reaches every peer's buffer" + (" (not measured: " + (
-                "DCP_A2A_MEASURE=0)" if self.device.type == "cuda" else "Triton's interpreter on the CPU)")
-                if not measuring else "".join(f"; {name} left out: {why}" for name, why in self._left_out.items()))
+            reason = "every rank reaches every peer's buffer"
+            if not measuring:
+                why = "DCP_A2A_MEASURE=0" if self.device.type == "cuda" else "Triton's interpreter on the CPU"
+                reason += f" (not measured: {why})"
+            else:  # (where both were built, _measure_plan says what it chose)
+                reason += "".join(f"; {name} left out: {why}" for name, why in self._left_out.items())
         if not self._transports:
             self._transports["nccl"] = NcclTransport(self.group, self._layouts, self.device, self.channels)
         self.backend_reason = reason
@@ -369,8 +372,8 @@ class DcpAllToAll:
         if cuda:
             torch.cuda.synchronize(dev)
         self._host_poison.clear()  # what a candidate's failure left here: that candidate is left out
-        plan = auto_plan.agree(self.group, table, failed, time.perf_counter() - t0, list(self._transports), sizes,
-                               self._left_out, mt)
+        plan = auto_plan.agree_plan(self.group, table, failed, time.perf_counter() - t0, list(self._transports),
+                                    sizes, self._left_out, mt)
         # Every rank has synchronized before the exchange: no kernel of any rank still uses these.
         for name in [n for n in self._transports if n not in plan.transports]:
             self._transports.pop(name).close()
@@ -493,8 +496,8 @@ class DcpAllToAll:
         try:
             try:
                 B = self._validate(partial_out, partial_lse, out, out_lse)
-                meta = None if seq_lens is None and query_start_loc is None else metadata(self.device, seq_lens,
-                                                                                               query_start_loc)
+                meta = None if seq_lens is None and query_start_loc is None else metadata(
+                    self.device, seq_lens, query_start_loc)
                 y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim),
                                                             dtype=self.dtype, device=self.device)
                 y_lse = None  # an out_lse without return_lse is not written
@@ -504,7 +507,7 @@ class DcpAllToAll:
                 operands = launch_operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
                 if out is not None or out_lse is not None:
                     refuse_overlap((("partial_out", partial_out), ("partial_lse", partial_lse)),
-                                         (("out", out), ("out_lse", out_lse)))
+                                   (("out", out), ("out_lse", out_lse)))
                 if operands[0] not in self._ready:
                     self._load(KIND_COMBINE, (partial_out, partial_lse, y), operands)
             except BaseException:

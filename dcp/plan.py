@@ -122,8 +122,8 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
     return Plan(max_tokens, choices, left_out, seconds)
 
 
-def agree(group, table: dict, failed: dict, seconds: float, candidates: list, sizes: list, left_out: dict,
-          max_tokens: int) -> Plan:
+def agree_plan(group, table: dict, failed: dict, seconds: float, candidates: list, sizes: list, left_out: dict,
+               max_tokens: int) -> Plan:
     """Collective: exchange every rank's ``measure`` results and derive the same plan on every rank.
     A candidate that failed on any rank is left out (with the first such rank's reason), as are
     those in ``left_out`` already; if none is left, every rank raises alike."""
