@@ -355,8 +355,14 @@ class DcpAllToAll:
         def runner(transport):
             def run(kind: int, b: int) -> None:
                 operands, a, l, out = calls[kind]
-                self._launches(transport, kind, operands, a[:b], self._lse_scratch if l is None else l[:b], out[:b],
-                               None, b, 0, True)
+                try:
+                    self._launches(transport, kind, operands, a[:b], self._lse_scratch if l is None else l[:b],
+                                   out[:b], None, b, 0, True)
+                except Exception:
+                    # The peers' call fails at once, not on the timeout: their next calls, on another
+                    # candidate, then meet this rank's in time.
+                    self._announce(transport, 0, TAG_ABORT)
+                    raise
             return run
 
         def failure(name: str) -> Optional[str]:
@@ -365,15 +371,22 @@ class DcpAllToAll:
             error = self._transports[name].error(0)
             return None if error is None else str(error)
 
-        sizes = auto_plan.ladder(mt)
+        sizes, candidates = auto_plan.ladder(mt), list(self._transports)
         runs = {name: runner(t) for name, t in self._transports.items()}
-        table, failed = auto_plan.measure(runs, failure, sizes, timer, warm=1 if cuda else 0, reps=8 if cuda else 1,
-                                          rounds=2 if cuda else 1)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        self._host_poison.clear()  # what a candidate's failure left here: that candidate is left out
-        plan = auto_plan.agree_plan(self.group, table, failed, time.perf_counter() - t0, list(self._transports),
-                                    sizes, self._left_out, mt)
+
+        def timed(points: list) -> tuple:
+            table, failed = auto_plan.measure(runs, failure, points, timer, warm=1 if cuda else 0,
+                                              reps=8 if cuda else 1, rounds=2 if cuda else 1)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            self._host_poison.clear()  # what a candidate's failure left here: that candidate is left out
+            return table, failed, time.perf_counter() - t0
+
+        plan = auto_plan.agree_plan(self.group, *timed(auto_plan.op_points(candidates, sizes)), candidates, sizes,
+                                    self._left_out, mt)
+        points = auto_plan.layer_points(plan)  # the same on every rank: so is the plan
+        if points:
+            plan = auto_plan.agree_plan(self.group, *timed(points), candidates, sizes, plan.left_out, mt, plan)
         # Every rank has synchronized before the exchange: no kernel of any rank still uses these.
         for name in [n for n in self._transports if n not in plan.transports]:
             self._transports.pop(name).close()

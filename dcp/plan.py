@@ -4,8 +4,11 @@ No fabric can be known in advance: peer writes collapse on some PCIe topologies,
 others (``docs/design.md``, section 5.11). So at construction every rank times each candidate
 transport (the push and the pull) over a ladder of call sizes (``measure``), the ranks
 exchange their tables, and each derives the same plan from the same numbers (``choose``): for each
-collective and measured size, the candidate whose slowest rank was fastest. Every rank therefore
-sends a call of a given size to the same transport, whatever its own clock said.
+collective and measured size, the candidate whose slowest rank was fastest. Where that sends a
+size's gather and combine to different transports, a layer (the gather, then the combine) is timed
+that way and on each transport alone, and the fastest of those serves both (``layer_points``): on
+one H200 a pulled gather and a pushed combine took 1.18x the pull alone. Every rank therefore sends
+a call of a given size to the same transport, whatever its own clock said.
 """
 
 import time
@@ -19,6 +22,7 @@ from dcp.kernels import KIND_COMBINE, KIND_GATHER
 from dcp.rendezvous import all_gather
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
+LAYER = "layer"  # a layer's key in a table: (LAYER, gather's transport, combine's transport, size)
 # Within this fraction of the fastest, the earlier candidate wins: the push before the pull (the
 # most proven).
 TIE = 0.02
@@ -46,10 +50,13 @@ class Plan:
     """The agreed plan (identical on every rank): ``transport(kind, B)``, its ``routes``, the
     candidates ``left_out`` and why, and how long the measurement took (``seconds``)."""
 
-    def __init__(self, max_tokens: int, choices: dict, left_out: dict, seconds: float):
-        """``choices``: kind -> [(size, transport, {candidate: us})] by increasing size."""
+    def __init__(self, max_tokens: int, choices: dict, left_out: dict, seconds: float, layers: dict,
+                 tables: list, sizes: list):
+        """``choices``: kind -> [(size, transport, {candidate: us})] by increasing size; ``layers``:
+        size -> {(gather's transport, combine's transport): us} where layers were timed; ``tables``
+        and ``sizes``: what ``choose`` decided from."""
         self.max_tokens, self.left_out, self.seconds = max_tokens, dict(left_out), seconds
-        self._choices = choices
+        self._choices, self.layers, self.tables, self.sizes = choices, layers, tables, sizes
         # kind -> transport by call size, index 0 (B = 0) to max_tokens: the smallest measured size >= B.
         self.by_size = {}
         for kind, points in choices.items():
@@ -94,6 +101,10 @@ class Plan:
             sizes = f"B {r.lo}-{r.hi}" if r.hi is not None else f"B >= {r.lo}"
             times = "  ".join(f"{name} {us:.1f}" for name, us in r.times_us.items())
             lines.append(f"  {r.kind:7s} {sizes:12s} {r.transport:6s}  (B = {r.at}: {times})")
+        for b, times in self.layers.items():
+            pair = (self.by_size[KIND_GATHER][b], self.by_size[KIND_COMBINE][b])
+            lines.append(f"  layer   B = {b:<8d} {_pair(pair):11s} (" + "  ".join(
+                f"{_pair(p)} {us:.1f}" for p, us in times.items()) + ")")
         lines += [f"  left out: {name} ({why})" for name, why in self.left_out.items()]
         return "\n".join(lines)
 
@@ -104,29 +115,70 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {"seconds": self.seconds, "left_out": self.left_out,
-                "routes": [dict(vars(r)) for r in self.routes]}
+                "routes": [dict(vars(r)) for r in self.routes],
+                "layers": {b: {_pair(p): us for p, us in times.items()} for b, times in self.layers.items()}}
+
+    def mixed_sizes(self) -> list:
+        """The measured sizes whose gather and combine go to different transports."""
+        return [b for b in self.sizes if self.by_size[KIND_GATHER][b] != self.by_size[KIND_COMBINE][b]]
 
 
-def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_tokens: int, seconds: float) -> Plan:
+def _pair(pair: tuple) -> str:
+    """A layer's transports: one name where both collectives take it, else gather+combine."""
+    return pair[0] if pair[0] == pair[1] else f"{pair[0]}+{pair[1]}"
+
+
+def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_tokens: int, seconds: float,
+           layer_tables: Optional[list] = None) -> Plan:
     """The plan from every rank's table (``tables[r][(candidate, kind, size)]``: us per call on rank
     r): at each size, each candidate's time is its slowest rank's, and the fastest wins (ties within
-    ``TIE`` to the earlier candidate). ``candidates`` in order of preference, none left out."""
-    choices = {}
-    for kind in KINDS:
-        points = []
-        for b in sizes:
-            times = {name: max(t[name, kind, b] for t in tables) for name in candidates}
+    ``TIE`` to the earlier candidate). ``candidates`` in order of preference, none left out.
+    ``layer_tables[r][(LAYER, gather's, combine's, size)]``: where a size's two choices differ and
+    its layers were timed, the fastest layer decides both (ties to the two choices, then in order)."""
+    slowest = lambda key, ts: max(t[key] for t in ts)  # noqa: E731
+    choices = {kind: [] for kind in KINDS}
+    layers = {}
+    for b in sizes:
+        picked = {}
+        for kind in KINDS:
+            times = {name: slowest((name, kind, b), tables) for name in candidates}
             best = min(times.values())
-            points.append((b, next(name for name in candidates if times[name] <= best * (1 + TIE)), times))
-        choices[kind] = points
-    return Plan(max_tokens, choices, left_out, seconds)
+            picked[kind] = next(name for name in candidates if times[name] <= best * (1 + TIE)), times
+        pairs = [(picked[KIND_GATHER][0], picked[KIND_COMBINE][0])] + [(name, name) for name in candidates]
+        if pairs[0][0] != pairs[0][1] and layer_tables and all((LAYER, *p, b) in t for p in pairs
+                                                               for t in layer_tables):
+            times = {p: slowest((LAYER, *p, b), layer_tables) for p in pairs}
+            best = min(times.values())
+            g, c = next(p for p in pairs if times[p] <= best * (1 + TIE))
+            picked = {KIND_GATHER: (g, picked[KIND_GATHER][1]), KIND_COMBINE: (c, picked[KIND_COMBINE][1])}
+            layers[b] = times
+        for kind in KINDS:
+            choices[kind].append((b, *picked[kind]))
+    return Plan(max_tokens, choices, left_out, seconds, layers, tables, sizes)
+
+
+def op_points(candidates: list, sizes: list) -> list:
+    """``measure``'s points for each candidate alone: every collective at every size."""
+    return [((name, kind), ((name, kind),), b) for name in candidates for kind in KINDS for b in sizes]
+
+
+def layer_points(plan: Plan) -> list:
+    """``measure``'s points that check a plan's mixed sizes: at each, a layer (the gather, then the
+    combine of the same size) as the plan has it, and on each of its candidates alone."""
+    candidates = list(plan.times(KIND_COMBINE)[0][2])
+    points = []
+    for b in plan.mixed_sizes():
+        pairs = [(plan.by_size[KIND_GATHER][b], plan.by_size[KIND_COMBINE][b])] + [(n, n) for n in candidates]
+        points += [((LAYER, g, c), ((g, KIND_GATHER), (c, KIND_COMBINE)), b) for g, c in pairs]
+    return points
 
 
 def agree_plan(group, table: dict, failed: dict, seconds: float, candidates: list, sizes: list, left_out: dict,
-               max_tokens: int) -> Plan:
+               max_tokens: int, checked: Optional[Plan] = None) -> Plan:
     """Collective: exchange every rank's ``measure`` results and derive the same plan on every rank.
     A candidate that failed on any rank is left out (with the first such rank's reason), as are
-    those in ``left_out`` already; if none is left, every rank raises alike."""
+    those in ``left_out`` already; if none is left, every rank raises alike. ``checked``: the plan
+    whose ``layer_points`` gave ``table`` (its candidates' own times decide again, with the layers)."""
     facts = all_gather(group, (table, failed, seconds), "measuring the transports")
     left_out = dict(left_out)
     for r, (_, fails, _) in enumerate(facts):
@@ -135,39 +187,50 @@ def agree_plan(group, table: dict, failed: dict, seconds: float, candidates: lis
     kept = [name for name in candidates if name not in left_out]
     if not kept:
         raise DcpError(f"auto: every transport failed while measured: {left_out}")
-    return choose([f[0] for f in facts], kept, sizes, left_out, max_tokens, max(f[2] for f in facts))
+    seconds = max(f[2] for f in facts)
+    if checked is None:
+        return choose([f[0] for f in facts], kept, sizes, left_out, max_tokens, seconds)
+    return choose(checked.tables, kept, sizes, left_out, max_tokens, seconds, [f[0] for f in facts])
 
 
-def measure(runs: dict, failure: Callable[[str], Optional[str]], sizes: list, timer, warm: int, reps: int,
+def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, timer, warm: int, reps: int,
             rounds: int) -> tuple:
-    """This rank's table ``{(candidate, kind, size): us per call}`` and its failures
-    ``{candidate: why}``.
+    """This rank's table ``{key + (size,): us per step}`` and its failures ``{candidate: why}``.
 
-    ``runs[candidate](kind, size)`` issues one call (every rank issues the same calls in the same
-    order); ``failure(candidate)`` reads a candidate's recorded failure after its calls. ``timer``:
-    ``hold()`` before the warm calls (which also line the ranks up), ``start()`` after them and
-    ``stop(reps)`` -> us per call.
-    A candidate that raises stops being called here; its peers' next calls then fail on the
-    timeout (the candidates are fused transports: bounded waits), and it is left out on every rank.
-    Each point is the best of ``rounds``.
+    ``points``: ``[(key, calls, size)]`` (``op_points``, ``layer_points``), a step being ``calls``
+    ``((candidate, kind), ...)`` issued in order; ``runs[candidate](kind, size)`` issues one call
+    (every rank issues the same calls in the same order); ``failure(candidate)`` reads a
+    candidate's recorded failure after them. ``timer``: ``hold()`` before the warm steps (which
+    also line the ranks up), ``start()`` after them and ``stop(reps)`` -> us per step.
+    A candidate that raises is not called here again (the others' calls go on, the same on every
+    rank); its peers' next calls then fail on the timeout (the candidates are fused transports:
+    bounded waits), and it is left out on every rank. Each point is the best of ``rounds``.
     """
     table, failed = {}, {}
-    for name, run in runs.items():
-        try:
-            for kind in KINDS:
-                for b in sizes:
-                    best = float("inf")
-                    for _ in range(rounds):
-                        timer.hold()
-                        for _ in range(warm):
-                            run(kind, b)
-                        timer.start()
-                        for _ in range(reps):
-                            run(kind, b)
-                        best = min(best, timer.stop(reps))
-                    table[name, kind, b] = best
-        except Exception as exc:  # left out on every rank once the failures are exchanged
-            failed[name] = f"{type(exc).__name__}: {exc}"
+
+    def step(calls: tuple, b: int) -> None:
+        for name, kind in calls:
+            if name not in failed:
+                try:
+                    runs[name](kind, b)
+                except Exception as exc:  # left out on every rank once the failures are exchanged
+                    failed[name] = f"{type(exc).__name__}: {exc}"
+
+    for key, calls, b in points:
+        if all(name in failed for name, _ in calls):
+            continue
+        best = float("inf")
+        for _ in range(rounds):
+            timer.hold()
+            for _ in range(warm):
+                step(calls, b)
+            timer.start()
+            for _ in range(reps):
+                step(calls, b)
+            best = min(best, timer.stop(reps))
+        table[key + (b,)] = best
+    for name in dict.fromkeys(name for _, calls, _ in points for name, _ in calls):
+        if name in failed:
             continue
         why = failure(name)
         if why is not None:

@@ -1,6 +1,7 @@
 """Rank functions for ``backend="auto"`` (``tests/test_auto.py``): construction with the measured
 plan, its tables made up or its measurement made to fail on chosen ranks."""
 
+import contextlib
 import os
 from unittest import mock
 
@@ -9,28 +10,37 @@ import torch.distributed as dist
 import dcp.buffers
 import dcp.plan
 from dcp import DcpAllToAll
-from dcp.kernels import KIND_COMBINE, KIND_GATHER
+from dcp.backends import TritonTransport
+from dcp.kernels import KIND_COMBINE, KIND_GATHER, TAG_ABORT, TAG_POISONED
 
 
-def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", measure: str = "1",
-              second_open_fails_on: int = -1, **kwargs) -> dict:
+def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", fail_phase: int = 0,
+              measure: str = "1", second_open_fails_on: int = -1, **kwargs) -> dict:
     """Construct with ``backend="auto"`` and measuring on (``measure``: ``DCP_A2A_MEASURE``).
 
-    ``tables``: per rank, ``{(candidate, kind, size): us}`` this rank reports instead of timing
-    (``None``: time for real). ``fail`` on rank ``fail_on``: that candidate raises at its first
-    measured call there. ``second_open_fails_on``: that rank's second buffer setup (the pull's)
-    fails. Each transport's launches are counted from then on (``counts``)."""
-    real = dcp.plan.measure
-    rank = dist.get_rank()
+    ``tables``: per rank, ``{key: us}`` (``(candidate, kind, size)`` or ``(LAYER, gather's,
+    combine's, size)``) this rank reports instead of timing; points not in it are timed for real.
+    ``fail`` on rank ``fail_on``: that candidate's launches raise there from the first measured call
+    of phase ``fail_phase`` (0: the collectives alone, 1: the layers), its announcements excepted.
+    ``second_open_fails_on``: that rank's second buffer setup (the pull's) fails. Each
+    transport's launches are counted from then on (``counts``)."""
+    real, real_launch = dcp.plan.measure, TritonTransport.launch
+    rank, phases = dist.get_rank(), []
 
-    def fake(runs, failure, sizes, timer, **kw):
-        if rank == fail_on:
-            def broken(kind, b):
-                raise RuntimeError("injected failure")
-            runs = runs | {fail: broken}
-        if tables is not None:
-            return {tuple(k): v for k, v in tables[rank]}, {}
-        return real(runs, failure, sizes, timer, **kw)
+    def failing(self, *args, **kw):
+        if self.name == fail and args[7] not in (TAG_ABORT, TAG_POISONED):  # args[7]: the call's tag
+            raise RuntimeError("injected failure")
+        return real_launch(self, *args, **kw)
+
+    def fake(runs, failure, points, timer, **kw):
+        made = {tuple(k): v for k, v in tables[rank]} if tables is not None else {}
+        timed = [p for p in points if p[0] + (p[2],) not in made]
+        breaking = rank == fail_on and len(phases) == fail_phase
+        phases.append(points)
+        with mock.patch.object(TritonTransport, "launch", failing) if breaking else contextlib.nullcontext():
+            table, failed = real(runs, failure, timed, timer, **kw) if timed else ({}, {})
+        table.update({key + (b,): made[key + (b,)] for key, _, b in points if key + (b,) in made})
+        return table, failed
 
     provider = dcp.buffers.HostShmProvider
     real_open, opened = provider.open, []
@@ -54,7 +64,8 @@ def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", m
     plan = comm.plan
     return {"backend": comm.backend, "reason": comm.backend_reason, "in_use": list(comm._transports),
             "plan": plan and plan.as_dict() | {"seconds": None}, "text": plan and str(plan),
-            "by_size": plan and {k: plan.by_size[k] for k in (KIND_COMBINE, KIND_GATHER)}}
+            "by_size": plan and {k: plan.by_size[k] for k in (KIND_COMBINE, KIND_GATHER)},
+            "phases": len(phases)}
 
 
 def counts(state, key: str, reset: bool = True) -> dict:

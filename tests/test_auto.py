@@ -8,7 +8,7 @@ import pytest
 
 from dcp.kernels import KIND_COMBINE, KIND_GATHER
 from dcp.protocol import POISONED_NOTE
-from dcp.plan import Plan, choose, ladder
+from dcp.plan import LAYER, Plan, choose, ladder, layer_points
 from tests import auto_cases as ac
 from tests import gather_cases as gc
 from tests import lockstep_cases as lc
@@ -23,9 +23,17 @@ def _table(times: dict) -> list:
     return [((name, kind, b), t[i]) for (kind, b), t in times.items() for i, name in enumerate(CANDIDATES)]
 
 
-# Each candidate wins somewhere: combine B = 1 pull, B = 2 push; gather B = 1 push, B = 2 pull.
+def _layers(times: dict) -> list:
+    """{size: (mixed, triton alone, pull alone) us} as a rank's layer times at the sizes MIXED mixes."""
+    mixed = {1: ("triton", "pull"), 2: ("pull", "triton")}
+    return [((LAYER, *pair, b), t[i]) for b, t in times.items()
+            for i, pair in enumerate((mixed[b], ("triton", "triton"), ("pull", "pull")))]
+
+
+# Each candidate wins somewhere: combine B = 1 pull, B = 2 push; gather B = 1 push, B = 2 pull;
+# so each size's layer mixes them, and its layer times (made up too) keep the mix.
 MIXED = _table({(KIND_COMBINE, 1): (10, 5), (KIND_COMBINE, 2): (10, 30),
-                (KIND_GATHER, 1): (10, 20), (KIND_GATHER, 2): (50, 40)})
+                (KIND_GATHER, 1): (10, 20), (KIND_GATHER, 2): (50, 40)}) + _layers({1: (15, 30, 25), 2: (70, 80, 90)})
 
 
 def test_ladder_and_plan_rules():
@@ -48,6 +56,31 @@ def test_ladder_and_plan_rules():
     assert isinstance(plan, Plan) and "combine B 1-2: triton" in plan.summary()
 
 
+def test_a_layer_decides_where_the_collectives_mix():
+    """Where a size's gather and combine go to different transports, a layer is timed that way and
+    on each alone (``layer_points``), and the fastest (slowest rank's) serves both; within 2% the mix."""
+    ops = dict(MIXED[:8])
+    plan = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1)
+    assert plan.mixed_sizes() == [1, 2] and not plan.layers
+    points = layer_points(plan)
+    assert [(key, calls, b) for key, calls, b in points][:3] == [
+        ((LAYER, "triton", "pull"), (("triton", KIND_GATHER), ("pull", KIND_COMBINE)), 1),
+        ((LAYER, "triton", "triton"), (("triton", KIND_GATHER), ("triton", KIND_COMBINE)), 1),
+        ((LAYER, "pull", "pull"), (("pull", KIND_GATHER), ("pull", KIND_COMBINE)), 1)] and len(points) == 6
+    # B = 1: the pull alone beats the mix on the slowest rank; B = 2: the push alone is within 2% of the mix
+    fast, slow = dict(_layers({1: (20, 30, 10), 2: (100, 101, 90)})), dict(_layers({1: (20, 30, 12), 2: (100, 101, 120)}))
+    checked = choose([ops, ops], CANDIDATES, [1, 2], {}, 2, 0.2, [fast, slow])
+    assert checked.by_size[KIND_COMBINE] == ["pull", "pull", "triton"], checked.by_size
+    assert checked.by_size[KIND_GATHER] == ["pull", "pull", "pull"], checked.by_size
+    assert checked.mixed_sizes() == [2] and set(checked.layers) == {1, 2}
+    assert checked.layers[1] == {("triton", "pull"): 20, ("triton", "triton"): 30, ("pull", "pull"): 12}
+    text = str(checked)
+    assert "layer   B = 1        pull" in text and "triton+pull 20.0" in text and "pull 12.0" in text, text
+    assert checked.as_dict()["layers"][2] == {"pull+triton": 100, "triton": 101, "pull": 120}
+    # no layer times for a size: its two choices stand
+    assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1, [dict(_layers({2: (1, 2, 3)}))]).mixed_sizes() == [1, 2]
+
+
 def test_auto_routes_each_size_to_its_transport(worlds):
     """Every rank sends a call of a given size to the plan's transport, above max_tokens too, and
     every result is the reference's; a rank rejecting a call fails its peers at once on its route."""
@@ -55,7 +88,7 @@ def test_auto_routes_each_size_to_its_transport(worlds):
     w = worlds(n)
     res = w.run(ac.make_auto, "a", tables=[MIXED] * n, max_tokens=2, num_heads=2 * n, head_dim=16, query_dim=24)
     assert all(r == res[0] for r in res) and res[0]["backend"] == "auto", res
-    assert res[0]["in_use"] == CANDIDATES and "measured" in res[0]["reason"], res[0]
+    assert res[0]["in_use"] == CANDIDATES and "measured" in res[0]["reason"] and res[0]["phases"] == 2, res[0]
     assert res[0]["by_size"][KIND_COMBINE] == ["pull", "pull", "triton"], res[0]
     assert res[0]["by_size"][KIND_GATHER] == ["triton", "triton", "pull"], res[0]
     seed = fresh_seed()
@@ -74,6 +107,26 @@ def test_auto_routes_each_size_to_its_transport(worlds):
     assert all("rank 2 rejected its call before launch" in r["first"] for r in out[:2]), out
     w.run(rc.close_comm, "a")
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
+
+
+def test_layers_timed_for_real_can_overrule_the_collectives(worlds):
+    """The collectives' times made up (mixed at B = 1, 2), the layers' at B = 1 too (the push
+    alone wins), B = 2's timed for real: every rank has the same plan, B = 1 goes to the push for
+    both collectives, and every route's result is the reference's."""
+    n = 3
+    w = worlds(n)
+    made = MIXED[:8] + _layers({1: (20, 10, 30)})
+    res = w.run(ac.make_auto, "a", tables=[made] * n, max_tokens=2, num_heads=2 * n, head_dim=16, query_dim=24)
+    assert all(r == res[0] for r in res) and res[0]["phases"] == 2, res
+    by_size, layers = res[0]["by_size"], res[0]["plan"]["layers"]
+    assert by_size[KIND_COMBINE][:2] == ["triton", "triton"] and by_size[KIND_GATHER][:2] == ["triton", "triton"], res[0]
+    assert set(layers) == {1, 2} and set(layers[2]) == {"pull+triton", "triton", "pull"}, layers
+    assert all(us > 0 for us in layers[2].values()) and "layer   B = 2" in res[0]["text"], res[0]["text"]
+    seed = fresh_seed()
+    for i, B in enumerate((1, 2, 3)):
+        w.run(rc.lse_case, "a", seed + i, B=B)
+        w.run(gc.gather_case, "a", seed + 10 + i, B=B)
+    w.run(rc.close_comm, "a")
 
 
 def test_sizes_routed_apart_fail_on_the_timeout_on_every_rank(worlds):
@@ -143,19 +196,23 @@ def test_a_candidate_whose_buffers_fail_is_left_out(worlds):
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
 
 
-def test_a_candidate_failing_while_measured_is_left_out(worlds):
-    """The pull raises on rank 1 at its first measured call: rank 1 stops calling it, its peers'
-    pull calls time out naming it, and every rank leaves the pull out, saying why."""
+@pytest.mark.parametrize("fail, phase", [("pull", 0), ("triton", 0), ("pull", 1)])
+def test_a_candidate_failing_while_measured_is_left_out(worlds, fail, phase):
+    """A candidate's launches raise on rank 1 (phase 0: from its first measured call; phase 1: in
+    the layers, after a mixed plan from made-up times): rank 1 announces the failed call, so its
+    peers' call fails at once naming it (on the timeout, their next calls on the other candidate
+    would miss rank 1's); rank 1 calls it no more, every rank leaves it out, says why, and the other
+    serves, matching the reference."""
     w = worlds(3)
-    res = w.run(ac.make_auto, "a", fail_on=1, fail="pull", max_tokens=2, num_heads=6, head_dim=8,
-                timeout_s=3.0)
-    assert all(r["plan"] == res[0]["plan"] for r in res), res
+    res = w.run(ac.make_auto, "a", tables=[MIXED[:8]] * 3 if phase else None, fail_on=1, fail=fail,
+                fail_phase=phase, max_tokens=2, num_heads=6, head_dim=8, timeout_s=30.0)
+    assert all(r["plan"] == res[0]["plan"] for r in res) and res[0]["phases"] == phase + 1, res
+    other = next(name for name in CANDIDATES if name != fail)
     left = res[0]["plan"]["left_out"]
-    # (rank 0 timed out waiting for rank 1, and, on a loaded machine, maybe for rank 2 too)
-    missed = re.search(r"failed on rank 0 while measured: .*timed out waiting for rank\(s\) \[([\d, ]+)\]",
-                       left["pull"])
-    assert list(left) == ["pull"] and missed and "1" in missed.group(1).split(", "), left
-    assert "pull" not in res[0]["in_use"] and "pull left out" in res[0]["reason"], res[0]
+    assert list(left) == [fail] and res[0]["in_use"] == [other] and f"{fail} left out" in res[0]["reason"], res[0]
+    assert re.fullmatch(r"failed on rank 0 while measured: ranks entered the same DCP call differently: .*rank 1 .*", left[fail],
+                        re.S), left[fail]
     w.run(rc.lse_case, "a", fresh_seed(), B=3)
+    w.run(gc.gather_case, "a", fresh_seed(), B=3)
     w.run(rc.close_comm, "a")
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
