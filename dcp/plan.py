@@ -100,7 +100,8 @@ class Plan:
         for r in self.routes:
             sizes = f"B {r.lo}-{r.hi}" if r.hi is not None else f"B >= {r.lo}"
             times = "  ".join(f"{name} {us:.1f}" for name, us in r.times_us.items())
-            lines.append(f"  {r.kind:7s} {sizes:12s} {r.transport:6s}  (B = {r.at}: {times})")
+            by = "; the layer decided" if r.at in self.layers else ""
+            lines.append(f"  {r.kind:7s} {sizes:12s} {r.transport:6s}  (B = {r.at}: {times}{by})")
         for b, times in self.layers.items():
             pair = (self.by_size[KIND_GATHER][b], self.by_size[KIND_COMBINE][b])
             lines.append(f"  layer   B = {b:<8d} {_pair(pair):11s} (" + "  ".join(

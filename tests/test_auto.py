@@ -76,6 +76,7 @@ def test_a_layer_decides_where_the_collectives_mix():
     assert checked.layers[1] == {("triton", "pull"): 20, ("triton", "triton"): 30, ("pull", "pull"): 12}
     text = str(checked)
     assert "layer   B = 1        pull" in text and "triton+pull 20.0" in text and "pull 12.0" in text, text
+    assert "gather  B >= 1       pull    (B = 2: triton 50.0  pull 40.0; the layer decided)" in text, text
     assert checked.as_dict()["layers"][2] == {"pull+triton": 100, "triton": 101, "pull": 120}
     # no layer times for a size: its two choices stand
     assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1, [dict(_layers({2: (1, 2, 3)}))]).mixed_sizes() == [1, 2]
