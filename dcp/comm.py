@@ -334,7 +334,8 @@ class DcpAllToAll:
 
     def _measure_plan(self) -> None:
         """``auto``: time every candidate over the ladder of call sizes (``dcp.plan``), agree on the
-        plan from every rank's times, and close the transports it leaves unused. Collective."""
+        plan from every rank's times, where it splits a size's gather from its combine time layers
+        and agree again, and close the transports it leaves unused. Collective."""
         t0 = time.perf_counter()
         mt, dev, cuda = self.max_tokens, self.device, self.device.type == "cuda"
         error = None

@@ -6,7 +6,7 @@ transport (the push and the pull) over a ladder of call sizes (``measure``), the
 exchange their tables, and each derives the same plan from the same numbers (``choose``): for each
 collective and measured size, the candidate whose slowest rank was fastest. Where that sends a
 size's gather and combine to different transports, a layer (the gather, then the combine) is timed
-that way and on each transport alone, and the fastest of those serves both (``layer_points``): on
+on each transport alone and that way, and the fastest of those serves both (``layer_points``): on
 one H200 a pulled gather and a pushed combine took 1.18x the pull alone. Every rank therefore sends
 a call of a given size to the same transport, whatever its own clock said.
 """
@@ -48,15 +48,17 @@ class Route:
 
 class Plan:
     """The agreed plan (identical on every rank): ``transport(kind, B)``, its ``routes``, the
-    candidates ``left_out`` and why, and how long the measurement took (``seconds``)."""
+    candidates ``left_out`` and why, how long the measurement took (``seconds``), the ``layers``
+    timed and the (kind, size) whose choice they changed (``overruled``)."""
 
-    def __init__(self, max_tokens: int, choices: dict, left_out: dict, seconds: float, layers: dict,
-                 tables: list, sizes: list):
-        """``choices``: kind -> [(size, transport, {candidate: us})] by increasing size; ``layers``:
-        size -> {(gather's transport, combine's transport): us} where layers were timed; ``tables``
-        and ``sizes``: what ``choose`` decided from."""
+    def __init__(self, max_tokens: int, choices: dict, left_out: dict, seconds: float, candidates: list,
+                 tables: list, sizes: list, layers: dict, overruled: set):
+        """``choices``: kind -> [(size, transport, {candidate: us})] by increasing size; ``candidates``,
+        ``tables`` and ``sizes``: what ``choose`` decided from; ``layers``: size -> {(gather's
+        transport, combine's transport): us} where layers were timed."""
         self.max_tokens, self.left_out, self.seconds = max_tokens, dict(left_out), seconds
-        self._choices, self.layers, self.tables, self.sizes = choices, layers, tables, sizes
+        self._choices, self.candidates, self.tables, self.sizes = choices, candidates, tables, sizes
+        self.layers, self.overruled = layers, overruled
         # kind -> transport by call size, index 0 (B = 0) to max_tokens: the smallest measured size >= B.
         self.by_size = {}
         for kind, points in choices.items():
@@ -100,7 +102,8 @@ class Plan:
         for r in self.routes:
             sizes = f"B {r.lo}-{r.hi}" if r.hi is not None else f"B >= {r.lo}"
             times = "  ".join(f"{name} {us:.1f}" for name, us in r.times_us.items())
-            by = "; the layer decided" if r.at in self.layers else ""
+            hi = self.max_tokens if r.hi is None else r.hi
+            by = "; a layer decided" if any(KINDS[k] == r.kind and r.lo <= b <= hi for k, b in self.overruled) else ""
             lines.append(f"  {r.kind:7s} {sizes:12s} {r.transport:6s}  (B = {r.at}: {times}{by})")
         for b, times in self.layers.items():
             pair = (self.by_size[KIND_GATHER][b], self.by_size[KIND_COMBINE][b])
@@ -135,27 +138,35 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
     r): at each size, each candidate's time is its slowest rank's, and the fastest wins (ties within
     ``TIE`` to the earlier candidate). ``candidates`` in order of preference, none left out.
     ``layer_tables[r][(LAYER, gather's, combine's, size)]``: where a size's two choices differ and
-    its layers were timed, the fastest layer decides both (ties to the two choices, then in order)."""
+    its layers were timed, the fastest layer decides both (ties in ``_layer_pairs``' order)."""
     slowest = lambda key, ts: max(t[key] for t in ts)  # noqa: E731
     choices = {kind: [] for kind in KINDS}
-    layers = {}
+    layers, overruled = {}, set()
     for b in sizes:
         picked = {}
         for kind in KINDS:
             times = {name: slowest((name, kind, b), tables) for name in candidates}
             best = min(times.values())
             picked[kind] = next(name for name in candidates if times[name] <= best * (1 + TIE)), times
-        pairs = [(picked[KIND_GATHER][0], picked[KIND_COMBINE][0])] + [(name, name) for name in candidates]
-        if pairs[0][0] != pairs[0][1] and layer_tables and all((LAYER, *p, b) in t for p in pairs
-                                                               for t in layer_tables):
+        mix = picked[KIND_GATHER][0], picked[KIND_COMBINE][0]
+        pairs = _layer_pairs(mix, candidates)
+        if mix[0] != mix[1] and layer_tables and all((LAYER, *p, b) in t for p in pairs for t in layer_tables):
             times = {p: slowest((LAYER, *p, b), layer_tables) for p in pairs}
             best = min(times.values())
             g, c = next(p for p in pairs if times[p] <= best * (1 + TIE))
             picked = {KIND_GATHER: (g, picked[KIND_GATHER][1]), KIND_COMBINE: (c, picked[KIND_COMBINE][1])}
             layers[b] = times
+            overruled |= {(kind, b) for kind, name, was in ((KIND_GATHER, g, mix[0]), (KIND_COMBINE, c, mix[1]))
+                          if name != was}
         for kind in KINDS:
             choices[kind].append((b, *picked[kind]))
-    return Plan(max_tokens, choices, left_out, seconds, layers, tables, sizes)
+    return Plan(max_tokens, choices, left_out, seconds, candidates, tables, sizes, layers, overruled)
+
+
+def _layer_pairs(mix: tuple, candidates: list) -> list:
+    """The layers that check a mixed size, in order of preference: each candidate alone (one
+    transport, the most proven first), then the mix (gather's transport, combine's)."""
+    return [(name, name) for name in candidates] + [mix]
 
 
 def op_points(candidates: list, sizes: list) -> list:
@@ -166,10 +177,9 @@ def op_points(candidates: list, sizes: list) -> list:
 def layer_points(plan: Plan) -> list:
     """``measure``'s points that check a plan's mixed sizes: at each, a layer (the gather, then the
     combine of the same size) as the plan has it, and on each of its candidates alone."""
-    candidates = list(plan.times(KIND_COMBINE)[0][2])
     points = []
     for b in plan.mixed_sizes():
-        pairs = [(plan.by_size[KIND_GATHER][b], plan.by_size[KIND_COMBINE][b])] + [(n, n) for n in candidates]
+        pairs = _layer_pairs((plan.by_size[KIND_GATHER][b], plan.by_size[KIND_COMBINE][b]), plan.candidates)
         points += [((LAYER, g, c), ((g, KIND_GATHER), (c, KIND_COMBINE)), b) for g, c in pairs]
     return points
 
@@ -204,8 +214,10 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
     candidate's recorded failure after them. ``timer``: ``hold()`` before the warm steps (which
     also line the ranks up), ``start()`` after them and ``stop(reps)`` -> us per step.
     A candidate that raises is not called here again (the others' calls go on, the same on every
-    rank); its peers' next calls then fail on the timeout (the candidates are fused transports:
-    bounded waits), and it is left out on every rank. Each point is the best of ``rounds``.
+    rank), and it is left out on every rank. Its run should announce the failed call, so that the
+    peers' call fails at once: on the timeout (bounded waits), their next calls on another
+    candidate would start a timeout after this rank's and fail too. Each point is the best of
+    ``rounds``.
     """
     table, failed = {}, {}
 

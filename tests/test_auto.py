@@ -1,6 +1,6 @@
 """``backend="auto"``: the measured plan (``dcp.plan``) on the CPU tier. The routing and agreement
-use made-up tables (the interpreter's timings say nothing about a fabric); one test times for real,
-one makes a candidate fail while measured."""
+use made-up tables (the interpreter's timings say nothing about a fabric); some tests time for real,
+some make a candidate fail while measured."""
 
 import re
 
@@ -8,7 +8,7 @@ import pytest
 
 from dcp.kernels import KIND_COMBINE, KIND_GATHER
 from dcp.protocol import POISONED_NOTE
-from dcp.plan import LAYER, Plan, choose, ladder, layer_points
+from dcp.plan import LAYER, HostTimer, Plan, choose, ladder, layer_points, measure, op_points
 from tests import auto_cases as ac
 from tests import gather_cases as gc
 from tests import lockstep_cases as lc
@@ -57,29 +57,62 @@ def test_ladder_and_plan_rules():
 
 
 def test_a_layer_decides_where_the_collectives_mix():
-    """Where a size's gather and combine go to different transports, a layer is timed that way and
-    on each alone (``layer_points``), and the fastest (slowest rank's) serves both; within 2% the mix."""
+    """Where a size's gather and combine go to different transports, a layer is timed on each
+    alone and that way (``layer_points``), and the fastest (slowest rank's) serves both; within 2%
+    a transport alone, the push first."""
     ops = dict(MIXED[:8])
     plan = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1)
-    assert plan.mixed_sizes() == [1, 2] and not plan.layers
+    assert plan.mixed_sizes() == [1, 2] and not plan.layers and not plan.overruled
     points = layer_points(plan)
-    assert [(key, calls, b) for key, calls, b in points][:3] == [
-        ((LAYER, "triton", "pull"), (("triton", KIND_GATHER), ("pull", KIND_COMBINE)), 1),
+    assert points[:3] == [
         ((LAYER, "triton", "triton"), (("triton", KIND_GATHER), ("triton", KIND_COMBINE)), 1),
-        ((LAYER, "pull", "pull"), (("pull", KIND_GATHER), ("pull", KIND_COMBINE)), 1)] and len(points) == 6
+        ((LAYER, "pull", "pull"), (("pull", KIND_GATHER), ("pull", KIND_COMBINE)), 1),
+        ((LAYER, "triton", "pull"), (("triton", KIND_GATHER), ("pull", KIND_COMBINE)), 1)] and len(points) == 6
     # B = 1: the pull alone beats the mix on the slowest rank; B = 2: the push alone is within 2% of the mix
     fast, slow = dict(_layers({1: (20, 30, 10), 2: (100, 101, 90)})), dict(_layers({1: (20, 30, 12), 2: (100, 101, 120)}))
     checked = choose([ops, ops], CANDIDATES, [1, 2], {}, 2, 0.2, [fast, slow])
     assert checked.by_size[KIND_COMBINE] == ["pull", "pull", "triton"], checked.by_size
-    assert checked.by_size[KIND_GATHER] == ["pull", "pull", "pull"], checked.by_size
-    assert checked.mixed_sizes() == [2] and set(checked.layers) == {1, 2}
+    assert checked.by_size[KIND_GATHER] == ["pull", "pull", "triton"], checked.by_size
+    assert not checked.mixed_sizes() and set(checked.layers) == {1, 2} and checked.transports == CANDIDATES
+    assert checked.overruled == {(KIND_GATHER, 1), (KIND_GATHER, 2)}, checked.overruled
     assert checked.layers[1] == {("triton", "pull"): 20, ("triton", "triton"): 30, ("pull", "pull"): 12}
-    text = str(checked)
-    assert "layer   B = 1        pull" in text and "triton+pull 20.0" in text and "pull 12.0" in text, text
-    assert "gather  B >= 1       pull    (B = 2: triton 50.0  pull 40.0; the layer decided)" in text, text
     assert checked.as_dict()["layers"][2] == {"pull+triton": 100, "triton": 101, "pull": 120}
-    # no layer times for a size: its two choices stand
+    # B = 2: the mix is faster than either alone, and stays
+    kept = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [fast | dict(_layers({2: (80, 101, 90)}))])
+    assert kept.mixed_sizes() == [2] and kept.overruled == {(KIND_GATHER, 1)}, kept.by_size
+    text = str(kept)
+    assert "layer   B = 1        pull" in text and "triton+pull 20.0" in text and "pull 10.0" in text, text
+    assert "gather  B >= 1       pull    (B = 2: triton 50.0  pull 40.0; a layer decided)" in text, text
+    assert "combine B 1-1        pull    (B = 1: triton 10.0  pull 5.0)" in text, text
+    # no layer times for a size (or none on one rank): its two choices stand
     assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1, [dict(_layers({2: (1, 2, 3)}))]).mixed_sizes() == [1, 2]
+    assert choose([ops, ops], CANDIDATES, [1, 2], {}, 2, 0.1, [fast, {}]).mixed_sizes() == [1, 2]
+
+
+def test_measure_keeps_the_other_candidates_calls_when_one_fails():
+    """``measure``: a candidate raising mid-step is not called again, while every step still issues
+    the others' calls, in the same order as on a rank where nothing failed; its failure is said."""
+    def record(fail_at):  # (at the pull's fail_at-th call)
+        calls, n = [], [0]
+
+        def run(name):
+            def call(kind, b):
+                n[0] += name == "pull"
+                if name == "pull" and n[0] == fail_at:
+                    raise RuntimeError("boom")
+                calls.append((name, kind, b))
+            return call
+        runs = {name: run(name) for name in CANDIDATES}
+        table, failed = measure(runs, lambda name: None, op_points(CANDIDATES, [1, 2]) + layer_points(
+            choose([dict(MIXED[:8])], CANDIDATES, [1, 2], {}, 2, 0.1)), HostTimer(), warm=1, reps=2, rounds=1)
+        return [c for c in calls if c[0] == "triton"], failed, table
+
+    healthy, none, table = record(-1)
+    broken, failed, _ = record(5)  # the pull's 5th call: within its own steps
+    assert healthy == broken and not none and list(failed) == ["pull"] and "boom" in failed["pull"], failed
+    assert len(healthy) == 3 * 4 + 3 * 2 * 3 and (LAYER, "triton", "pull", 1) in table
+    later, failed, _ = record(3 * 4 + 4)  # a call of the pull within the layers
+    assert later == healthy and list(failed) == ["pull"], failed
 
 
 def test_auto_routes_each_size_to_its_transport(worlds):
@@ -197,7 +230,7 @@ def test_a_candidate_whose_buffers_fail_is_left_out(worlds):
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
 
 
-@pytest.mark.parametrize("fail, phase", [("pull", 0), ("triton", 0), ("pull", 1)])
+@pytest.mark.parametrize("fail, phase", [("pull", 0), ("triton", 0), ("pull", 1), ("triton", 1)])
 def test_a_candidate_failing_while_measured_is_left_out(worlds, fail, phase):
     """A candidate's launches raise on rank 1 (phase 0: from its first measured call; phase 1: in
     the layers, after a mixed plan from made-up times): rank 1 announces the failed call, so its
