@@ -80,8 +80,7 @@ class Plan:
     def transports(self) -> list:
         """The transports some call size goes to, in the order they were candidates."""
         used = {name for names in self.by_size.values() for name in names}
-        order = next(iter(self._choices.values()))[0][2]
-        return [name for name in order if name in used]
+        return [name for name in self.candidates if name in used]
 
     @property
     def routes(self) -> list:
