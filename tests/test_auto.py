@@ -69,7 +69,8 @@ def test_a_layer_decides_where_the_collectives_mix():
         ((LAYER, "pull", "pull"), (("pull", KIND_GATHER), ("pull", KIND_COMBINE)), 1),
         ((LAYER, "triton", "pull"), (("triton", KIND_GATHER), ("pull", KIND_COMBINE)), 1)] and len(points) == 6
     # B = 1: the pull alone beats the mix on the slowest rank; B = 2: the push alone is within 2% of the mix
-    fast, slow = dict(_layers({1: (20, 30, 10), 2: (100, 101, 90)})), dict(_layers({1: (20, 30, 12), 2: (100, 101, 120)}))
+    fast = dict(_layers({1: (20, 30, 10), 2: (100, 101, 90)}))
+    slow = dict(_layers({1: (20, 30, 12), 2: (100, 101, 120)}))
     checked = choose([ops, ops], CANDIDATES, [1, 2], {}, 2, 0.2, [fast, slow])
     assert checked.by_size[KIND_COMBINE] == ["pull", "pull", "triton"], checked.by_size
     assert checked.by_size[KIND_GATHER] == ["pull", "pull", "triton"], checked.by_size
@@ -153,7 +154,7 @@ def test_layers_timed_for_real_can_overrule_the_collectives(worlds):
     res = w.run(ac.make_auto, "a", tables=[made] * n, max_tokens=2, num_heads=2 * n, head_dim=16, query_dim=24)
     assert all(r == res[0] for r in res) and res[0]["phases"] == 2, res
     by_size, layers = res[0]["by_size"], res[0]["plan"]["layers"]
-    assert by_size[KIND_COMBINE][:2] == ["triton", "triton"] and by_size[KIND_GATHER][:2] == ["triton", "triton"], res[0]
+    assert by_size[KIND_COMBINE][:2] == by_size[KIND_GATHER][:2] == ["triton", "triton"], res[0]
     assert set(layers) == {1, 2} and set(layers[2]) == {"pull+triton", "triton", "pull"}, layers
     assert all(us > 0 for us in layers[2].values()) and "layer   B = 2" in res[0]["text"], res[0]["text"]
     seed = fresh_seed()
@@ -244,8 +245,8 @@ def test_a_candidate_failing_while_measured_is_left_out(worlds, fail, phase):
     other = next(name for name in CANDIDATES if name != fail)
     left = res[0]["plan"]["left_out"]
     assert list(left) == [fail] and res[0]["in_use"] == [other] and f"{fail} left out" in res[0]["reason"], res[0]
-    assert re.fullmatch(r"failed on rank 0 while measured: ranks entered the same DCP call differently: .*rank 1 .*", left[fail],
-                        re.S), left[fail]
+    assert re.fullmatch(r"failed on rank 0 while measured: ranks entered the same DCP call differently: "
+                        r".*rank 1 .*", left[fail], re.S), left[fail]
     w.run(rc.lse_case, "a", fresh_seed(), B=3)
     w.run(gc.gather_case, "a", fresh_seed(), B=3)
     w.run(rc.close_comm, "a")
