@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not
                                 reason="no vLLM importable here")
 
 
-def test_plugin_in_a_real_vllm(worlds):
-    res = worlds(2).run(vc.real_vllm_layer, fresh_seed())
+@pytest.mark.parametrize("n", [2, 3])  # 3: a DCP size no other fast path serves
+def test_plugin_in_a_real_vllm(worlds, n):
+    res = worlds(n).run(vc.real_vllm_layer, fresh_seed())
     for r in res:
         assert r["ours"] and r["exact"] and r["storage_ok"], r
         assert r["err"] <= rc.TOL[torch.bfloat16], r
