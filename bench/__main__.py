@@ -156,6 +156,7 @@ COLUMN_HELP = """columns (a column no row fills is left out; - : no value for th
   backend    triton or push, pull, auto (DcpAllToAll's backend=), nccl (the reference path; gloo
              where the group runs gloo)
   op         combine (lse_reduce), gather (all_gather_heads), layer (a gather then a combine)
+  meta       yes: the combines got vLLM's batch metadata (--metadata)
   D|Dq       the combine's head dim D, the gather's query dim Dq (a layer: D|Dq)
   B          tokens per call
   mode       eager, graph (a CUDA graph of one call), graph8 (a graph of 8 calls)
@@ -206,6 +207,9 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=MODES if cuda else ["eager"], choices=MODES, metavar="MODE",
                    help="eager (plain calls), graph (a CUDA graph of one call), graph8 (a graph of 8 calls, "
                         "like layers); the graph modes need a GPU")
+    p.add_argument("--metadata", action="store_true",
+                   help="pass every combine vLLM's batch metadata, as its MLA layers do: a decode batch's "
+                        "seq_lens (about a quarter of each rank's shards empty) and query_start_loc")
     p.add_argument("--iters", type=_positive, default=200 if cuda else 5, help="timed calls per point")
     p.add_argument("--num-warps", type=int, choices=[1, 2, 4, 8, 16], default=None, metavar="W",
                    help="fixed warps per program, 1 2 4 8 or 16 (default: chosen by call size)")
@@ -296,11 +300,12 @@ def main(argv=None) -> None:
                                 for op in args.op:
                                     for mode in args.modes:
                                         where = f"N={n} {name} D={d} B={B} {op} {mode}"
-                                        res = w.run(ranks.run_point, B, mode, args.iters, seed + B, op, timeout=120)
+                                        res = w.run(ranks.run_point, B, mode, args.iters, seed + B, op,
+                                                    args.metadata, timeout=120)
                                         rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
                                                          name, rate, shared, cuda, *tilings[op][B - 1],
                                                          args.dtype, args.iters, op, args.query_dim,
-                                                         args.query_dtype))
+                                                         args.query_dtype, args.metadata))
                                     done = len(rows) * 30 // total
                                     print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} {where}: "
                                           f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
@@ -441,13 +446,13 @@ def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, sha
 
 
 def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype, iters,
-         op="combine", query_dim=0, query_dtype="bfloat16") -> dict:
+         op="combine", query_dim=0, query_dtype="bfloat16", metadata=False) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
     size, floor = op_bytes(op, n, B, hn, d, query_dim or d, getattr(torch, query_dtype).itemsize, shared)
     nan = float("nan")
     floor_us = floor / rate * 1e6 if cuda else nan
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d, op=op,
-                query_dim=query_dim, query_dtype=query_dtype,
+                query_dim=query_dim, query_dtype=query_dtype, metadata=True if metadata else None,
                 heads_per_rank=hn, B=B, mode=mode, backend=backend, dtype=dtype, num_warps=num_warps, pdl=pdl,
                 timer=res[0]["timer"], mark_us=max(r["mark_us"] for r in res), size_bytes=size,
                 **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},
@@ -498,6 +503,7 @@ def _field(key: str) -> tuple:
 # (which decides whether the cell has a value) and how the cell is written.
 COLUMNS = [
     ("N", "", 2, *_field("world")), ("backend", "", 7, *_field("backend")), ("op", "", 7, *_field("op")),
+    ("meta", "", 4, "metadata", lambda r: "yes"),
     ("D|Dq", "", 7, "head_dim", _dims),
     ("B", "tokens", 4, *_field("B")), ("mode", "", 6, *_field("mode")), ("size", "bytes", 9, *_field("size_bytes")),
     ("med", "us", 8, *_number("median_us", ".1f")), ("p10", "us", 7, *_number("p10_us", ".1f")),

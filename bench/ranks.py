@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
-from dcp.reference import chunk_reference, make_inputs, make_queries, max_rel_error
+from dcp.reference import (chunk_reference, decode_metadata, make_inputs, make_queries, mask_by_metadata,
+                           max_rel_error)
 from dcp.kernels import build_kernels
 
 MARK_PROBES = 100  # marks timed back to back in setup: what one costs
@@ -213,10 +214,12 @@ def _hold(state, us: float) -> None:
     torch.cuda._sleep(int(state["cycles_per_us"] * (us + 1000)))
 
 
-def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combine") -> dict:
+def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combine", metadata: bool = False) -> dict:
     """mode: eager, graph (one call per graph) or graph8 (eight calls per graph, like layers); op:
     combine (``lse_reduce``), gather (``all_gather_heads``) or layer (a gather, then a combine).
-    Each op's result is first checked: the combine against float64, the gather byte for byte."""
+    ``metadata``: every combine gets a decode batch's ``seq_lens`` and ``query_start_loc``, as vLLM's
+    MLA layers pass them. Each op's result is first checked: the combine against float64 (of the
+    LSEs the metadata masks), the gather byte for byte."""
     comm: DcpAllToAll = state["comm"]
     dev, n, rank, hn = comm.device, comm.world, comm.rank, comm.heads_per_rank
     H, D = comm.num_heads, comm.head_dim
@@ -226,7 +229,12 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
     qs = make_queries(seed + 1, n, B, hn, comm.query_dim, comm.query_dtype)
     q = qs[rank].to(dev)
     q_all = torch.empty((B, H, comm.query_dim), dtype=comm.query_dtype, device=dev)
-    combine = lambda: comm.lse_reduce(po, pl, out=y)
+    meta = {}
+    if metadata:
+        lens, qsl = decode_metadata(seed + 2, n, B)
+        lses = [mask_by_metadata(l, s, qsl) for l, s in zip(lses, lens)]  # for the reference
+        meta = dict(seq_lens=lens[rank].to(dev), query_start_loc=qsl.to(dev))
+    combine = lambda: comm.lse_reduce(po, pl, out=y, **meta)
     gather_q = lambda: comm.all_gather_heads(q, out=q_all)
 
     def layer() -> None:

@@ -51,6 +51,24 @@ def test_bench_cpu_writes_results(tmp_path):
     assert "docs/results/h200: NVIDIA H200, MPS, commit " in kept and " graph8 " in kept
 
 
+def test_bench_with_vllms_batch_metadata(tmp_path):
+    """--metadata: every combine (a layer's too) gets a decode batch's seq_lens and query_start_loc,
+    checked against the reference of the LSEs they mask; the rows and the table say so."""
+    from dcp.reference import decode_metadata
+
+    lens, qsl = decode_metadata(0, 3, 8)
+    assert qsl.tolist() == list(range(9)) and any((s == 0).any() for s in lens) and all((s > 0).any() for s in lens)
+    proc = subprocess.run([sys.executable, "-m", "bench", "--world-size", "3", "--batch", "8", "--iters", "2",
+                           "--op", "combine", "layer", "--metadata", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text(), parse_constant=_no_nan)[-1]["rows"]
+    assert [(r["op"], r["metadata"]) for r in rows] == [("combine", True), ("layer", True)]
+    assert all(r["max_rel_err"] < 1.6e-2 for r in rows)
+    header = next(x for x in proc.stdout.splitlines() if x.startswith(" N backend"))
+    assert header.split()[:4] == ["N", "backend", "op", "meta"]
+
+
 def test_kept_results_where_the_checkout_has_none(tmp_path):
     from bench.__main__ import kept_results
 
@@ -289,7 +307,7 @@ def test_table_leaves_out_the_columns_no_row_fills():
     nan = float("nan")
     row = {key: 1.0 for _, _, _, key, _ in COLUMNS}
     row.update(world=2, backend="triton", op="combine", head_dim=64, B=1, mode="eager", size_bytes=528,
-               steps_per_hold=5, iters=5,
+               steps_per_hold=5, iters=5, metadata=None,
                mark_us=nan, loop_us=nan, floor_us=nan, floor_frac=nan, host_loop_us=nan, held=None)
     rows = [row, {**row, "backend": "gloo"}, {**row, "world": 3, "baseline_us": nan, "speedup": nan}]
     head, units, *lines = format_table(rows).splitlines()
