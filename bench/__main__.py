@@ -156,7 +156,7 @@ COLUMN_HELP = """columns (a column no row fills is left out; - : no value for th
   backend    triton or push, pull, auto (DcpAllToAll's backend=), nccl (the reference path; gloo
              where the group runs gloo)
   op         combine (lse_reduce), gather (all_gather_heads), layer (a gather then a combine)
-  meta       yes: the combines got vLLM's batch metadata (--metadata)
+  meta       yes: the row's combines got vLLM's batch metadata (--metadata; a gather takes none)
   D|Dq       the combine's head dim D, the gather's query dim Dq (a layer: D|Dq)
   B          tokens per call
   mode       eager, graph (a CUDA graph of one call), graph8 (a graph of 8 calls)
@@ -452,7 +452,8 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
     nan = float("nan")
     floor_us = floor / rate * 1e6 if cuda else nan
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d, op=op,
-                query_dim=query_dim, query_dtype=query_dtype, metadata=True if metadata else None,
+                query_dim=query_dim, query_dtype=query_dtype,
+                metadata=True if metadata and op != "gather" else None,  # (a gather takes none)
                 heads_per_rank=hn, B=B, mode=mode, backend=backend, dtype=dtype, num_warps=num_warps, pdl=pdl,
                 timer=res[0]["timer"], mark_us=max(r["mark_us"] for r in res), size_bytes=size,
                 **{k: worst[k] for k in ("median_us", "p10_us", "p90_us")},

@@ -39,6 +39,7 @@ def heading(prov: dict, rows: list) -> str:
     dims = [f"D = {_listed(rows, 'head_dim')}"] if set(ops) - {"gather"} else []
     dims += [f"Dq = {_listed(rows, 'query_dim')}"] if set(ops) - {"combine"} else []
     parts = [*dims, _listed(rows, "dtype"), _listed(rows, "mode")]
+    parts += ["with vLLM's batch metadata"] if any(r.get("metadata") for r in rows) else []
     iters = _listed(rows, "iters")
     parts += [f"{iters} timed calls per point"] if iters else []
     return "\n".join(["DcpAllToAll: " + ", ".join(OPERATIONS[op] for op in ops), " | ".join(p for p in parts if p),
