@@ -80,12 +80,11 @@ def mask_by_metadata(lse: torch.Tensor, seq_lens: torch.Tensor, query_start_loc:
 
 def decode_metadata(seed: int, world: int, B: int) -> tuple:
     """vLLM's batch metadata of a decode batch, alike in every process drawing it with one seed:
-    (every rank's local ``seq_lens`` [B] int32, about a quarter of them 0, and at least one on
-    every rank: empty shards, so that a call ignoring the metadata differs from the reference;
+    (every rank's local ``seq_lens`` [B] int32, about a quarter of them 0, and rank r's at token r
+    for r < B: empty shards, so that a call ignoring the metadata differs from the reference;
     ``query_start_loc`` [B + 1] int32, one query token per sequence)."""
     g = torch.Generator().manual_seed(seed)
     lens = [torch.randint(0, 4, (B,), generator=g, dtype=torch.int32) for _ in range(world)]
-    for r, s in enumerate(lens):
-        if B:
-            s[r % B] = 0
+    for r, s in enumerate(lens[:B]):  # (never every rank on one token: B = 1 keeps a weighted row)
+        s[r] = 0
     return lens, torch.arange(B + 1, dtype=torch.int32)
