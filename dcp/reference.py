@@ -79,12 +79,22 @@ def mask_by_metadata(lse: torch.Tensor, seq_lens: torch.Tensor, query_start_loc:
 
 
 def decode_metadata(seed: int, world: int, B: int) -> tuple:
-    """vLLM's batch metadata of a decode batch, alike in every process drawing it with one seed:
-    (every rank's local ``seq_lens`` [B] int32, about a quarter of them 0, and rank r's at token r
-    for r < B: empty shards, so that a call ignoring the metadata differs from the reference;
-    ``query_start_loc`` [B + 1] int32, one query token per sequence)."""
+    """vLLM's batch metadata of a decode batch of B tokens, alike in every process drawing it with
+    one seed: ``query_start_loc`` [S + 1] int32 of S sequences, three in four of one query token and
+    the rest of 2 to 4 (speculative decode; where B >= 3 the first has 2, so that a token's index is
+    not its sequence's), the last ``B // 8`` tokens graph padding; every rank's local ``seq_lens``
+    [S] int32, about a quarter 0, rank r's sequence r empty for r < S, and no sequence empty on
+    every rank: a call that ignores or misreads the metadata differs from the reference."""
     g = torch.Generator().manual_seed(seed)
-    lens = [torch.randint(0, 4, (B,), generator=g, dtype=torch.int32) for _ in range(world)]
-    for r, s in enumerate(lens[:B]):  # (never every rank on one token: B = 1 keeps a weighted row)
-        s[r] = 0
-    return lens, torch.arange(B + 1, dtype=torch.int32)
+    real = B - B // 8
+    sizes = [2] if real >= 3 else []
+    while sum(sizes) < real:
+        draw = torch.randint(0, 12, (), generator=g).item()
+        sizes.append(min(real - sum(sizes), 1 if draw < 9 else draw - 7))
+    qsl = torch.tensor([0] + sizes).cumsum(0).to(torch.int32)
+    lens = torch.randint(0, 4, (world, len(sizes)), generator=g, dtype=torch.int32)
+    for r in range(min(world, len(sizes))):
+        lens[r, r] = 0
+    lone = (lens == 0).all(0)
+    lens[(torch.arange(len(sizes)) + 1) % world, torch.arange(len(sizes))] += lone.to(torch.int32)
+    return list(lens), qsl

@@ -107,19 +107,22 @@ def test_fp32_outputs_match_reference(worlds, n):
     w.run(rc.close_comm, "fp32")
 
 
-@pytest.mark.parametrize("backend", ["triton", "nccl"])
+@pytest.mark.parametrize("backend", ["triton", "pull", "nccl"])
 def test_batch_metadata_masks_rows_as_vllm_does(worlds, backend):
     """seq_lens / query_start_loc: padding rows and empty local shards get no weight, on the device,
-    across chunks (B above max_tokens), with int32, int64 and strided metadata, no sequence at all,
-    and more sequences than the kernel counts per block."""
+    across chunks (B above max_tokens), with int32, int64 and strided metadata; one sequence of
+    several tokens, sequences of 2-4 tokens (speculative decode) and of none, no sequence at all,
+    more sequences than max_tokens, and many: the kernel's search of query_start_loc must find each
+    token's sequence, not take the token's index for it."""
     w = worlds(3)
     seed = fresh_seed()
     w.run(rc.make_comm, "meta", max_tokens=MAX_TOKENS, num_heads=6, head_dim=16, backend=backend)
     cases = [dict(B=6, query_start_loc=[0, 1, 2, 3, 4]), dict(B=11, query_start_loc=[0, 3, 4, 7, 9], use_out=True),
-             dict(B=9, query_start_loc=[0, 2, 9], layout="int64"),
+             dict(B=9, query_start_loc=[0, 2, 9], layout="int64"), dict(B=5, query_start_loc=[0, 3]),
              dict(B=5, query_start_loc=[0, 1, 1, 4], layout="strided"), dict(B=3, query_start_loc=[0]),
              dict(B=7, query_start_loc=[0, 2, 2, 5], layout="int64_strided"),
-             # more sequences than one block of the kernel's count (64), with empty ones and padding
+             dict(B=10, query_start_loc=[0, 2, 5, 9]),
+             dict(B=11, query_start_loc=[0, 1, 2, 2, 3, 5, 6, 7, 8, 10]),  # 9 sequences, max_tokens 4
              dict(B=140, query_start_loc=list(range(121)) + [122 + 2 * i for i in range(8)] + [137])]
     for i, case in enumerate(cases):
         w.run(rc.metadata_case, "meta", seed + i, **case)
