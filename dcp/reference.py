@@ -83,8 +83,9 @@ def decode_metadata(seed: int, world: int, B: int) -> tuple:
     one seed: ``query_start_loc`` [S + 1] int32 of S sequences, three in four of one query token and
     the rest of 2 to 4 (speculative decode; where B >= 3 the first has 2, so that a token's index is
     not its sequence's), the last ``B // 8`` tokens graph padding; every rank's local ``seq_lens``
-    [S] int32, about a quarter 0, rank r's sequence r empty for r < S, and no sequence empty on
-    every rank: a call that ignores or misreads the metadata differs from the reference."""
+    [S] int32, about a quarter 0, rank r's sequence r empty for r < S, no sequence empty on every
+    rank and, where S > 1, no rank empty on every sequence: a call that ignores or misreads the
+    metadata differs from the reference, whatever the seed."""
     g = torch.Generator().manual_seed(seed)
     real = B - B // 8
     sizes = [2] if real >= 3 else []
@@ -97,4 +98,7 @@ def decode_metadata(seed: int, world: int, B: int) -> tuple:
         lens[r, r] = 0
     lone = (lens == 0).all(0)
     lens[(torch.arange(len(sizes)) + 1) % world, torch.arange(len(sizes))] += lone.to(torch.int32)
+    if len(sizes) > 1:
+        idle = (lens == 0).all(1)
+        lens[torch.arange(world), (torch.arange(world) + 1) % len(sizes)] += idle.to(torch.int32)
     return list(lens), qsl
