@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU tier and a benchmark pass in one call (for the lent H200); prints a short table last.
+# The whole GPU tier and a benchmark pass, with and without batch metadata, in one call (for the lent
+# H200); prints short tables last.
 # Runs under the CUDA MPS daemon (started here, stopped on exit) so that rank processes sharing one
 # GPU run concurrently. Usage: bash bench/gpu_all.sh [extra `python -m bench` arguments]
 # GPU_ALL_TESTS=0 or GPU_ALL_BENCH=0 leaves out one half (to fit a device's per-call limit).
@@ -18,3 +19,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 python3 -m bench.host_time 2>&1 | tee "$OUT/host_time.log" | sed -n 1,9p
 python3 -m bench.trace --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -10
 python3 -m bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+# The same sweep with vLLM's batch metadata on every combine, the path its MLA layers call (the
+# gather takes none): rows marked meta in the same results.
+python3 -m bench --out "$OUT" "$@" --metadata --op combine layer 2>&1 | tee "$OUT/bench_metadata.log" | tail -24

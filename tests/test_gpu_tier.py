@@ -54,7 +54,8 @@ def test_lse_reduce_matches_reference_gpu(worlds, n):
 @pytest.mark.parametrize("n", [3, 6])
 def test_fp32_outputs_and_batch_metadata_gpu(worlds, n):
     """fp32 partial outputs, and vLLM's seq_lens / query_start_loc masks (int32, int64, strided,
-    more sequences than one block of the kernel's count, B above max_tokens)."""
+    B above max_tokens), sequences of several tokens and graph padding, 2 to 530 sequences: one to
+    four steps of the kernel's 8-way search."""
     w = worlds(n, "cuda")
     seed = fresh_seed()
     w.run(rc.make_comm, "fp32", device="cuda", max_tokens=MAX_TOKENS, num_heads=16 * n, head_dim=512,
@@ -67,7 +68,8 @@ def test_fp32_outputs_and_batch_metadata_gpu(worlds, n):
     for i, case in enumerate([dict(B=6, query_start_loc=[0, 1, 2, 3, 4]),
                               dict(B=11, query_start_loc=[0, 3, 4, 7, 9], layout="int64", use_out=True),
                               dict(B=5, query_start_loc=[0, 1, 1, 4], layout="strided"),
-                              dict(B=140, query_start_loc=many, layout="int64_strided")]):
+                              dict(B=140, query_start_loc=many, layout="int64_strided"),
+                              dict(B=600, query_start_loc=list(range(501)) + [502 + 2 * i for i in range(30)])]):
         w.run(rc.metadata_case, "meta", seed + 10 + i, **case)
     w.run(rc.close_comm, "fp32")
     w.run(rc.close_comm, "meta")
