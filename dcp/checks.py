@@ -25,6 +25,39 @@ def combine_geometry_error(world: int, num_heads: int, head_dim: int, dtype: tor
     return None
 
 
+# What every rank's constructor must agree on, in the order DcpAllToAll gathers it.
+GEOMETRY_FIELDS = ("max_tokens", "num_heads", "head_dim", "dtype", "channels", "world", "backend", "num_warps",
+                   "query_dim", "query_dtype", "DCP_A2A_MEASURE")
+
+
+def _ranks(ranks: list) -> str:
+    """``rank 2``, ``ranks 0, 3``, ``ranks 1-7`` (runs of three or more as a range)."""
+    runs: list = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b - a > 1 else f"{a}, {b}" if b > a else f"{a}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def geometry_disagreement(geometries: list) -> str:
+    """The constructor's error where ranks' geometries differ (one tuple of ``GEOMETRY_FIELDS`` per
+    rank): each field that differs, with the ranks that have each value, e.g. ``head_dim: rank 0
+    has 64, rank 1 has 128``."""
+    parts = []
+    for i, name in enumerate(GEOMETRY_FIELDS):
+        by_value: dict = {}
+        for rank, geometry in enumerate(geometries):
+            by_value.setdefault(geometry[i], []).append(rank)
+        if len(by_value) > 1:
+            parts.append(f"{name}: " + ", ".join(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {value}"
+                                                 for value, ranks in by_value.items()))
+    return ("ranks disagree on the DcpAllToAll geometry (every rank must construct it alike): "
+            + ("; ".join(parts) or "no field differs"))
+
+
 def query_geometry_error(query_dim: int, query_dtype: torch.dtype) -> Optional[str]:
     """Why a query all-gather of this geometry cannot be served (None: it can)."""
     if query_dtype not in QUERY_DTYPES:
