@@ -12,6 +12,19 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 META_DTYPES = (torch.int32, torch.int64)
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_HEAD_DIM = 1024
+# The dtype names the command lines take (python -m dcp.doctor, the benchmark): torch's own, or the
+# short ones (bf16, fp16, fp32, fp8) read as torch's.
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+               "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn",
+                 "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+OUT_DTYPE_NAMES = [name for name, t in DTYPE_NAMES.items() if t in OUT_DTYPES]
+
+
+def dtype_name(text: str) -> str:
+    """A command line's dtype name as torch spells it (``bf16``: ``bfloat16``); argparse's choices
+    refuse what is neither."""
+    return DTYPE_ALIASES.get(text, text)
 
 
 def combine_geometry_error(world: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
