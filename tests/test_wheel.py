@@ -81,8 +81,8 @@ def _run(cmd: list, cwd: Path, timeout: float, env: Optional[dict] = None) -> su
 
 
 def _source_copy(folder: str, names: list) -> list:
-    """What the build copy leaves out: VCS, build outputs and caches, results and docs."""
-    top = {".git", "build", "docs", "results", ".whl"} if Path(folder) == ROOT else set()
+    """What the build copy leaves out: VCS, build outputs and caches, results and docs, the README's venv."""
+    top = {".git", "build", "docs", "results", ".whl", ".venv"} if Path(folder) == ROOT else set()
     return [n for n in names if n in top or n in {"__pycache__", ".pytest_cache"} or n.endswith(".egg-info")]
 
 
