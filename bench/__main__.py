@@ -1,6 +1,7 @@
 """The DCP collectives (lse_reduce, all_gather_heads, and both as a layer) timed against the reference.
 
-Run as ``python -m bench`` or ``dcp-a2a-bench``.
+Run as ``dcp-a2a-bench`` or ``python -m dcp.bench`` wherever the package is installed, or as
+``python -m bench`` from the repository root.
 
 Spawns its own rank processes: one per GPU with several GPUs, N processes on one GPU with one, and
 the CPU tier (Triton's interpreter) with none. On the CPU tier the times measure the interpreter, not
@@ -37,6 +38,7 @@ import sys
 
 import torch
 
+from dcp.checks import DTYPE_NAMES, OUT_DTYPE_NAMES, dtype_name
 from dcp.protocol import ChannelLayout
 from dcp.spawn import World, mps_daemon
 from dcp.kernels import MAX_PEERS
@@ -70,8 +72,12 @@ def _group_size(text: str) -> int:
 
 
 def command_name() -> str:
-    """How this run was started, for provenance and messages: ``python -m bench`` or the console
-    script's name (``dcp-a2a-bench``)."""
+    """How this run was started, for its usage line, messages and provenance: ``python -m dcp.bench``
+    (the installed package), ``python -m bench`` (in the source tree) or the console script's name
+    (``dcp-a2a-bench``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name in ("bench.__main__", "dcp.bench.__main__"):
+        return "python -m " + spec.name[:-len(".__main__")]
     name = os.path.basename(sys.argv[0])
     return "python -m bench" if name == "__main__.py" else name
 
@@ -118,11 +124,11 @@ def copy_rate() -> float:
     return rate
 
 
-def floor_bytes(n: int, B: int, hn: int, d: int, shared_device: bool) -> int:
-    """Bytes one rank must move (read input, write packed rows, read them back, write output);
-    all ranks together where they share one device's memory."""
-    H, row = hn * n, ChannelLayout(n, hn, d, B).row_elems
-    per_rank = B * H * (2 * d + 4) + 2 * B * H * row * 2 + B * hn * d * 2
+def floor_bytes(n: int, B: int, hn: int, d: int, shared_device: bool, size: int = 2) -> int:
+    """Bytes one rank must move (read input, write packed rows, read them back, write output) for
+    values of ``size`` bytes; all ranks together where they share one device's memory."""
+    H, row = hn * n, ChannelLayout(n, hn, d, B, value_words=size // 2).row_elems
+    per_rank = B * H * (size * d + 4) + 2 * B * H * row * 2 + B * hn * d * size
     return per_rank * (n if shared_device else 1)
 
 
@@ -190,14 +196,15 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
                    help="attention heads per rank; the call combines N times as many")
     p.add_argument("--head-dim", type=_positive, nargs="+", default=[512, 128] if cuda else [64], metavar="D",
                    help="head dimension, a multiple of 8 up to 1024; a sweep per value")
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="partial outputs' dtype")
+    p.add_argument("--dtype", type=dtype_name, choices=OUT_DTYPE_NAMES, default="bfloat16",
+                   help="partial outputs' dtype (bf16, fp16, fp32 also do)")
     p.add_argument("--op", nargs="+", choices=OPS, default=OPS, metavar="OP",
                    help="combine (lse_reduce), gather (all_gather_heads, the query all-gather) and/or layer (a "
                         "gather then a combine, as one DCP attention layer runs them)")
     p.add_argument("--query-dim", type=_positive, default=576 if cuda else 32, metavar="DQ",
                    help="query head dimension of the gather (vLLM's MLA: 576)")
-    p.add_argument("--query-dtype", choices=["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"],
-                   default="bfloat16", help="query dtype of the gather")
+    p.add_argument("--query-dtype", type=dtype_name, choices=list(DTYPE_NAMES), default="bfloat16",
+                   help="query dtype of the gather (bf16, fp16, fp32, fp8 also do)")
     p.add_argument("--backends", nargs="+", default=["triton", "nccl"] if cuda else ["triton"],
                    choices=[*FUSED, "auto", "nccl"], metavar="BACKEND",
                    help="triton or push (the fused kernel pushing into peers' buffers), pull (the same kernel, "
@@ -247,7 +254,7 @@ def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
 CPU_BANNER = ("No GPU: the real kernels and protocol run under Triton's interpreter, a process per rank, each "
               "point checked against a float64 reference (err) before it is timed.")
 CPU_NOTE = ("Every point above matched the reference (err: largest relative error; the gather is a bit-exact copy). "
-            "Its times are the interpreter's, not a transport's: the GPU results follow.")
+            "Its times are the interpreter's, not a transport's.")
 
 
 def main(argv=None) -> None:
@@ -357,14 +364,29 @@ def geometry_error(args: argparse.Namespace):
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results")
+# The commit that brought the current protocol (the lockstep flags: docs/design.md, section 3) and
+# its date (UTC): kept GPU results of an older commit are said to predate it. Move both with the protocol.
+PROTOCOL_SINCE = ("af5aca4", "2026-12-01T09:03:06+00:00")
+
+
+def predates_protocol(commit: str, date: str, repo: str = os.path.dirname(RESULTS)) -> bool:
+    """Whether results measured at ``commit`` on ``date`` (ISO, UTC) ran an older protocol: by git's
+    history where it has both commits, else by the date."""
+    try:
+        git = subprocess.run(["git", "-C", repo, "merge-base", "--is-ancestor", PROTOCOL_SINCE[0], commit],
+                             capture_output=True, timeout=30).returncode
+    except Exception:
+        git = None
+    return git == 1 if git in (0, 1) else date < PROTOCOL_SINCE[1]
 
 
 def kept_results(folder: str = RESULTS) -> str:
-    """The GPU results this checkout keeps (each folder's last run, its graph-of-8 rows), with
-    machine, commit and versions; a line saying where they are when this is an installed copy."""
+    """The GPU results this checkout keeps (each folder's last run, its graph-of-8 rows), each with
+    its machine, commit, date and versions, and whether it predates the current protocol; in an
+    installed copy, which has none, one line saying where they are."""
     if not os.path.isdir(folder):
-        return ("GPU results: not in this installation; the repository keeps them in docs/results/ "
-                "(one folder per machine kind)")
+        return ("GPU results are not in this installation: the repository keeps them in docs/results/ "
+                "(one folder per machine kind).")
     from .plot import machine
 
     parts = []
@@ -378,11 +400,18 @@ def kept_results(folder: str = RESULTS) -> str:
         prov = run["provenance"]
         rows = [{**dict.fromkeys(keys), "op": "combine", "query_dim": r["head_dim"], **r} for r in run["rows"]
                 if r["mode"] == "graph8"]
-        if rows:
-            parts.append(f"docs/results/{kind}: {machine(prov, rows)}, commit {prov['git_commit']}, torch "
-                         f"{prov['torch']}, triton {prov['triton']}, {prov['date'][:10]} (graph8 rows):\n"
-                         + format_table(rows))
-    return "\n\n".join(parts) or f"GPU results: none in {folder}"
+        if not rows:
+            continue
+        commit, date = prov["git_commit"], prov["date"]
+        old = predates_protocol(commit, date)
+        parts.append(f"docs/results/{kind}: {machine(prov, rows)}, commit {commit} of {date[:10]}, torch "
+                     f"{prov['torch']}, triton {prov['triton']} (graph8 rows)"
+                     + (f". Measured before the current protocol ({PROTOCOL_SINCE[0]}, {PROTOCOL_SINCE[1][:10]}): "
+                        f"its rows, and their speedups over NCCL (x), are the kernels' at {commit}, not this "
+                        "checkout's" if old else "") + ":\n" + format_table(rows))
+    if not parts:
+        return f"GPU results: none in {folder}"
+    return "The GPU results this checkout keeps (docs/results/):\n\n" + "\n\n".join(parts)
 
 
 def rank_failure(exc: RankError) -> str:
@@ -430,11 +459,12 @@ def _append_csv(path: str, rows: list) -> None:
         writer.writerows(old + rows)
 
 
-def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, shared: bool) -> tuple:
-    """(size, floor bytes) of one call of ``op``. size, as nccl-tests counts: the combine's is the
-    bytes one rank sends (the packed [N, B, H/N, D+2] buffer, an all-to-all); the gather's the bytes
-    of its [B, H, Dq] result (an all-gather's total); a layer's both."""
-    combine = (n * B * hn * (d + 2) * 2, floor_bytes(n, B, hn, d, shared))
+def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, shared: bool, size: int = 2) -> tuple:
+    """(size, floor bytes) of one call of ``op`` (partial outputs of ``size`` bytes). size, as
+    nccl-tests counts: the combine's is the bytes one rank sends (the packed [N, B, H/N, D] values
+    with their fp32 LSE, an all-to-all); the gather's the bytes of its [B, H, Dq] result (an
+    all-gather's total); a layer's both."""
+    combine = (n * B * hn * (d * size + 4), floor_bytes(n, B, hn, d, shared, size))
     out = B * hn * n * dq * q_size
     # read this rank's rows, write them to N slots, read N sources' rows back, write the result
     gather = (out, (B * hn * dq * q_size + 3 * out) * (n if shared else 1))
@@ -448,7 +478,8 @@ def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, sha
 def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype, iters,
          op="combine", query_dim=0, query_dtype="bfloat16", metadata=False) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
-    size, floor = op_bytes(op, n, B, hn, d, query_dim or d, getattr(torch, query_dtype).itemsize, shared)
+    size, floor = op_bytes(op, n, B, hn, d, query_dim or d, getattr(torch, query_dtype).itemsize, shared,
+                           getattr(torch, dtype).itemsize)
     nan = float("nan")
     floor_us = floor / rate * 1e6 if cuda else nan
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d, op=op,

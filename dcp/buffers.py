@@ -9,6 +9,7 @@ allocated.
 import ctypes
 import mmap
 import os
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -72,10 +73,21 @@ def _agree_or_unwind(group: dist.ProcessGroup, error: Optional[str], what: str,
         raise
 
 
+SHM_PREFIX = "/dev/shm/dcp-a2a-"
+
+
+def shm_token() -> str:
+    """A fresh name token for one setup's segments: ``TAG-`` then 24 random hex digits, where
+    ``DCP_A2A_SHM_TAG`` names a TAG (its letters, digits and ``_``, at most 32), so that a process
+    tree (a test session) can tell the segments it made from those of others on the machine."""
+    tag = re.sub(r"[^A-Za-z0-9_]", "", os.environ.get("DCP_A2A_SHM_TAG", ""))[:32]
+    return (f"{tag}-" if tag else "") + secrets.token_hex(12)
+
+
 class HostShmProvider:
     """POSIX shared memory, one segment per rank: CPU tensors under Triton's interpreter.
 
-    Segments are created with mode 0600 under names agreed before any exists (a random token of
+    Segments are created with mode 0600 under names agreed before any exists (``shm_token()`` of
     rank 0's, then the rank), and unlinked as soon as every peer has mapped them. Every rank
     unlinks every segment, after the last step or on any failure, a peer's death included, so none
     outlives the ranks that are still alive.
@@ -85,8 +97,8 @@ class HostShmProvider:
 
     def open(self, group: dist.ProcessGroup, nbytes: int) -> SymmetricRegion:
         rank = dist.get_rank(group)
-        token = all_gather(group, secrets.token_hex(12), "host shared memory setup")[0]
-        paths = [f"/dev/shm/dcp-a2a-{token}-{r}" for r in range(dist.get_world_size(group))]
+        token = all_gather(group, shm_token(), "host shared memory setup")[0]
+        paths = [f"{SHM_PREFIX}{token}-{r}" for r in range(dist.get_world_size(group))]
         releases: list[Callable[[], None]] = []
         peers: list[int] = []
         try:

@@ -12,6 +12,19 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 META_DTYPES = (torch.int32, torch.int64)
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_HEAD_DIM = 1024
+# The dtype names the command lines take (python -m dcp.doctor, the benchmark): torch's own, or the
+# short ones (bf16, fp16, fp32, fp8) read as torch's.
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+               "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn",
+                 "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+OUT_DTYPE_NAMES = [name for name, t in DTYPE_NAMES.items() if t in OUT_DTYPES]
+
+
+def dtype_name(text: str) -> str:
+    """A command line's dtype name as torch spells it (``bf16``: ``bfloat16``); argparse's choices
+    refuse what is neither."""
+    return DTYPE_ALIASES.get(text, text)
 
 
 def combine_geometry_error(world: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
@@ -23,6 +36,39 @@ def combine_geometry_error(world: int, num_heads: int, head_dim: int, dtype: tor
     if dtype not in OUT_DTYPES:
         return f"dtype must be torch.float16, torch.bfloat16 or torch.float32; got {dtype}"
     return None
+
+
+# What every rank's constructor must agree on, in the order DcpAllToAll gathers it.
+GEOMETRY_FIELDS = ("max_tokens", "num_heads", "head_dim", "dtype", "channels", "world", "backend", "num_warps",
+                   "query_dim", "query_dtype", "DCP_A2A_MEASURE")
+
+
+def _ranks(ranks: list) -> str:
+    """``rank 2``, ``ranks 0, 3``, ``ranks 1-7`` (runs of three or more as a range)."""
+    runs: list = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b - a > 1 else f"{a}, {b}" if b > a else f"{a}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def geometry_disagreement(geometries: list) -> str:
+    """The constructor's error where ranks' geometries differ (one tuple of ``GEOMETRY_FIELDS`` per
+    rank): each field that differs, with the ranks that have each value, e.g. ``head_dim: rank 0
+    has 64, rank 1 has 128``."""
+    parts = []
+    for i, name in enumerate(GEOMETRY_FIELDS):
+        by_value: dict = {}
+        for rank, geometry in enumerate(geometries):
+            by_value.setdefault(geometry[i], []).append(rank)
+        if len(by_value) > 1:
+            parts.append(f"{name}: " + ", ".join(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {value}"
+                                                 for value, ranks in by_value.items()))
+    return ("ranks disagree on the DcpAllToAll geometry (every rank must construct it alike): "
+            + ("; ".join(parts) or "no field differs"))
 
 
 def query_geometry_error(query_dim: int, query_dtype: torch.dtype) -> Optional[str]:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from dcp.kernels import KIND_COMBINE, KIND_GATHER, MAX_PEERS, TAG_ABORT, TAG_MAX_TOKENS, TAG_POISONED
 from dcp import plan as auto_plan
 from dcp.backends import FUSED_TRANSPORTS, NcclTransport, TritonTransport
-from dcp.checks import (LSE_DTYPES, as_words, combine_geometry_error, expect, gather_operands, launch_operands,
-                        metadata, query_geometry_error, refuse_overlap)
+from dcp.checks import (LSE_DTYPES, as_words, combine_geometry_error, expect, gather_operands, geometry_disagreement,
+                        launch_operands, metadata, query_geometry_error, refuse_overlap)
 from dcp.errors import DcpError, DcpPeerLostError
 from dcp.protocol import POISONED_NOTE, ChannelLayout, ChannelRegion, call_tag
 from dcp.rendezvous import agree, all_gather, barrier
@@ -124,10 +124,7 @@ class DcpAllToAll:
         facts = all_gather(group, (geometry, error, where, self.device.index), "DcpAllToAll construction")
         agree(group, facts[self.rank][1], "DcpAllToAll construction", errors=[f[1] for f in facts])
         if any(f[0] != geometry for f in facts):
-            raise DcpError("ranks disagree on the DcpAllToAll geometry (max_tokens, num_heads, head_dim, "
-                           "dtype, channels, world, backend, num_warps, query_dim, query_dtype, "
-                           "DCP_A2A_MEASURE): "
-                           f"{[f[0] for f in facts]}")
+            raise DcpError(geometry_disagreement([f[0] for f in facts]))
         self.ranks_per_device = sum(1 for f in facts if f[2] == where)
         self.max_programs = max_programs or self._default_programs()
         # Every rank must tile a call alike: small calls' tiles are sized by the smallest grid.

@@ -20,21 +20,42 @@ from typing import Optional
 import torch
 import triton
 
+from dcp.checks import DTYPE_NAMES, OUT_DTYPE_NAMES, dtype_name
 from dcp.compiled import ARCHES, hot_variants, judge
 from dcp.kernels import KIND_COMBINE
 from dcp.spawn import World, mps_daemon
 
-# The releases this package is tested with (pyproject.toml declares the same ranges): the GPU
-# tier on torch 2.11 + Triton 3.6; the CPU tier on torch 2.13 + Triton 3.6 and torch 2.14 + Triton
-# 3.8; the compiled-code checks under Triton 3.6, 3.8 and 3.9.
-TESTED = {"torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 9))}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-QUERY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
-                "fp8_e5m2": torch.float8_e5m2}
+# The releases this package is tested with, the one place that says so in code (pyproject.toml
+# declares the same ranges; the README's "Versions" the same runs): each torch + Triton pair that
+# runs, and where.
+TESTED_PAIRS = {
+    ((2, 11), (3, 6)): "the GPU tier, on one H200",
+    ((2, 13), (3, 6)): "CI: the CPU tier, the main suite",
+    ((2, 14), (3, 8)): "CI: the CPU tier on the users' stack (SGLang 0.5.23's pins; vLLM 0.33.0's torch)",
+    ((2, 13), (3, 9)): "CI: the compiled-code checks",
+}
+TESTED = {name: (min(pair[i] for pair in TESTED_PAIRS), max(pair[i] for pair in TESTED_PAIRS))
+          for i, name in enumerate(("torch", "triton"))}
+DTYPES = {name: DTYPE_NAMES[name] for name in OUT_DTYPE_NAMES}
+QUERY_DTYPES = DTYPE_NAMES
+COLUMNS = """columns of the compiled-code table:
+  variant  transport (push, pull; nccl: the NCCL path's pack and combine kernels), collective
+           (combine, gather), wN: N warps per program, pdl: launched with programmatic dependent
+           launch (GPUs from sm_90)
+  v4 st    16-byte vector stores to global memory in the PTX (0: rows are not stored as vectors)
+  v4 ld    16-byte vector loads from global memory (0: rows are not loaded as vectors)
+  2-byte   scalar 16-bit global loads and stores (more than 0: some rows move 2 bytes at a time)
+  spill    bytes of registers spilled to local memory (ptxas; more than 0 is slow)
+  regs     registers per thread; a program must fit on one SM
+  smem     shared memory per program, bytes"""
 
 
 def _release(version: str) -> tuple:
     return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+
+
+def _dotted(release: tuple) -> str:
+    return ".".join(map(str, release))
 
 
 def versions() -> dict:
@@ -54,9 +75,23 @@ def untested(found: dict) -> list:
     lines = []
     for name, (low, high) in TESTED.items():
         if not low <= _release(found[name]) <= high:
-            lines.append(f"{name} {found[name]} is outside the tested range "
-                         f"{'.'.join(map(str, low))}-{'.'.join(map(str, high))}")
+            lines.append(f"{name} {found[name]} is outside the tested range {_dotted(low)}-{_dotted(high)}")
     return lines
+
+
+def tested(found: dict) -> str:
+    """One line: whether this torch and Triton are releases this package is tested with."""
+    pair = f"torch {found['torch']} with Triton {found['triton']}"
+    span = f"torch {_dotted(TESTED['torch'][0])}-{_dotted(TESTED['torch'][1])}, " \
+           f"Triton {_dotted(TESTED['triton'][0])}-{_dotted(TESTED['triton'][1])}"
+    outside = untested(found)
+    if outside:
+        return f"not tested: {'; '.join(outside)} (tested: {span})"
+    where = TESTED_PAIRS.get((_release(found["torch"]), _release(found["triton"])))
+    if where:
+        return f"tested: {pair} ({where}; the tested range: {span})"
+    return (f"within the tested range ({span}): {pair}, a pair not run itself (those run: "
+            + ", ".join(f"{_dotted(t)} with {_dotted(r)}" for t, r in TESTED_PAIRS) + ")")
 
 
 def gpus() -> list:
@@ -72,28 +107,47 @@ def gpus() -> list:
     return found
 
 
-def _parse(argv: Optional[list]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m dcp.doctor", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Defaults: a vLLM MLA layer (16 heads per rank, D = 512 bf16, Dq = 576 bf16) "
-                                        "on a group of every GPU here (4 without GPUs).")
-    ap.add_argument("--world-size", type=int, help="ranks in the DCP group (2-8)")
-    ap.add_argument("--heads-per-rank", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=512, help="D of the combine's partial outputs")
-    ap.add_argument("--query-dim", type=int, default=576, help="Dq of the query all-gather")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the combine's partial outputs")
-    ap.add_argument("--query-dtype", choices=sorted(QUERY_DTYPES), default="bf16")
-    ap.add_argument("--max-tokens", type=int, default=512, help="the communicator's max_tokens (tilings by size)")
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help (a default that depends on the machine is in its text)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is argparse.SUPPRESS or "default:" in (action.help or ""):
+            return action.help
+        default = ("on" if action.default else "off") if isinstance(action.default, bool) else action.default
+        return f"{action.help} (default: {default})"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m dcp.doctor", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                 formatter_class=_Help,
+                                 epilog="Defaults: a vLLM MLA layer (16 heads per rank, D = 512 bfloat16, Dq = 576\n"
+                                        "bfloat16) on a group of every GPU here (4 without GPUs). Dtypes as torch\n"
+                                        "names them, as in the benchmark; bf16, fp16, fp32 and fp8 (float8_e4m3fn)\n"
+                                        "are read as those.\n\n" + COLUMNS)
+    ap.add_argument("--world-size", type=int, metavar="N",
+                    help="ranks in the DCP group, 2-8 (default: every GPU here; 4 with fewer than 2)")
+    ap.add_argument("--heads-per-rank", type=int, default=16, metavar="H",
+                    help="attention heads per rank; the group's num_heads is N times as many")
+    ap.add_argument("--head-dim", type=int, default=512, metavar="D", help="D of the combine's partial outputs")
+    ap.add_argument("--query-dim", type=int, default=576, metavar="DQ", help="Dq of the query all-gather")
+    ap.add_argument("--dtype", type=dtype_name, choices=list(DTYPES), default="bfloat16",
+                    help="the combine's partial outputs")
+    ap.add_argument("--query-dtype", type=dtype_name, choices=list(QUERY_DTYPES), default="bfloat16",
+                    help="the queries of the all-gather")
+    ap.add_argument("--max-tokens", type=int, default=512, metavar="B",
+                    help="the communicator's max_tokens (tilings by size)")
     ap.add_argument("--arch", action="append", choices=sorted(ARCHES, key=ARCHES.get),
-                    help="compile for this architecture instead of this machine's GPU (repeatable)")
-    ap.add_argument("--ptx-dir", type=Path, help="write the PTX of each variant here, one .ptx file each")
-    ap.add_argument("--json", type=Path, help="write the whole report here as JSON")
+                    help="compile for this architecture instead of this machine's GPU, repeatable "
+                         "(default: this machine's GPU; none without one)")
+    ap.add_argument("--ptx-dir", type=Path, help="write the PTX of each variant here, one .ptx file each "
+                                                 "(default: not written)")
+    ap.add_argument("--json", type=Path, help="write the whole report here as JSON (default: not written)")
     ap.add_argument("--measure", action="store_true",
                     help="time push and pull for each GPU pair (a combine of B = 1 and B = max tokens), and print "
                          "the plan backend='auto' would choose for N = 2 up to every GPU (one GPU: for "
                          "--world-size ranks sharing it, under CUDA MPS)")
     ap.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for --measure")
-    return ap.parse_args(argv)
+    return ap
 
 
 def _auto_plan(state, heads_per_rank: int, head_dim: int, query_dim: int, dtype: str, query_dtype: str,
@@ -163,19 +217,19 @@ def _geometry_error(a: argparse.Namespace) -> Optional[str]:
 
 
 def main(argv: Optional[list] = None) -> int:
-    a = _parse(argv)
+    a = parser().parse_args(argv)
     found, devices = versions(), gpus()
-    a.world_size = a.world_size or (len(devices) if len(devices) >= 2 else 4)
+    if a.world_size is None:
+        a.world_size = len(devices) if len(devices) >= 2 else 4
     error = _geometry_error(a)
     if error:
         print(f"dcp.doctor: {error}", file=sys.stderr)
         return 2
-    report = {"versions": found, "untested": untested(found), "gpus": devices, "geometry": {
+    report = {"versions": found, "tested": tested(found), "untested": untested(found), "gpus": devices, "geometry": {
         k: getattr(a, k) for k in ("world_size", "heads_per_rank", "head_dim", "query_dim", "dtype", "query_dtype",
                                    "max_tokens")}, "verdicts": [], "not_checked": None}
     print("versions: " + ", ".join(f"{k} {v or '-'}" for k, v in found.items()))
-    for line in report["untested"]:
-        print(f"  warning: {line}")
+    print(("  warning: " if report["untested"] else "  ") + report["tested"])
     for d in devices:
         print(f"GPU {d['index']}: {d['name']}, compute capability {d['capability']}, {d['sms']} SMs, "
               f"peer access to {d['peers'] or 'none'}")
@@ -217,6 +271,7 @@ def main(argv: Optional[list] = None) -> int:
                     (a.ptx_dir / f"{r.arch}-{r.variant.replace(' ', '-')}.ptx").write_text(r.ptx)
     bad = [r for r in report["verdicts"] if not r["ok"]]
     if report["verdicts"]:
+        print(COLUMNS)
         print(f"{len(report['verdicts']) - len(bad)} of {len(report['verdicts'])} variants ok"
               + ("" if not bad else ": the backend would run slower than it should here"))
     if a.measure:

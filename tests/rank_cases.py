@@ -278,7 +278,25 @@ def call_after_close(state, device: str = "cpu") -> str:
 
 
 def shm_segments(state=None) -> list:
-    return sorted(glob.glob("/dev/shm/dcp-a2a-*"))
+    """The host shared-memory segments of this test session's processes (their names carry the
+    session's DCP_A2A_SHM_TAG, set by tests/conftest.py): another run or a server on the machine
+    has segments too, and they are not this session's leaks."""
+    from dcp.buffers import SHM_PREFIX
+
+    tag = os.environ.get("DCP_A2A_SHM_TAG")
+    assert tag, "DCP_A2A_SHM_TAG is not set (tests/conftest.py sets it for the session)"
+    return sorted(glob.glob(f"{glob.escape(SHM_PREFIX + tag)}-*"))
+
+
+def leaking_construction(state) -> list:
+    """A planted leak: a communicator built and closed with the provider's unlinking turned off;
+    returns the segments this session's processes then hold (the caller removes them)."""
+    from unittest import mock
+
+    with mock.patch("dcp.buffers._unlink", lambda paths: None):
+        DcpAllToAll(dist.group.WORLD, max_tokens=2, num_heads=2 * dist.get_world_size(), head_dim=8).close()
+    dist.barrier()
+    return shm_segments()
 
 
 def rank_pid(state) -> int:

@@ -73,6 +73,18 @@ def _bench(*args, script="-m bench", timeout=600) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, *start, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.parametrize("module", ["bench", "dcp.bench"])
+def test_usage_names_the_command_that_was_run(module):
+    """``python -m dcp.bench`` (the name that works after pip install) says so, not ``python -m
+    bench`` (issue 42); the console script's name: tests/test_wheel.py."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m {module} [-h]"), proc.stdout[:200]
+    proc = subprocess.run([sys.executable, "-m", module, "--world-size", "1"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"python -m {module}: error: "), proc.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--head-dim", "12"], "--head-dim: must be a positive multiple of 8 up to 1024; got 12"),
     (["--head-dim", "64", "2048"], "--head-dim: must be a positive multiple of 8 up to 1024; got 2048"),
@@ -127,3 +139,38 @@ def test_group_above_eight_runs_the_nccl_backend_only(tmp_path):
     assert [(r["world"], r["backend"]) for r in run["rows"]] == [(9, "gloo")]
     assert run["provenance"]["command"].startswith("dcp-a2a-bench --world-size 9 ")
     assert (tmp_path / "latency.png").exists() and not (tmp_path / "speedup.png").exists()
+
+
+def _kept_run(folder, kind: str, commit: str, date: str) -> None:
+    row = dict(world=2, backend="triton", op="combine", head_dim=512, B=1, mode="graph8", size_bytes=1,
+               median_us=4.7, baseline_us=12.5, speedup=2.63, max_rel_err=2.6e-3)
+    (folder / kind).mkdir()
+    (folder / kind / "results.json").write_text(json.dumps([{"rows": [row], "provenance": dict(
+        git_commit=commit, date=date, gpus=["NVIDIA H200"] * 2, torch="2.11.0+cu130", triton="3.6.0")}]))
+
+
+def test_kept_results_say_which_predate_the_current_protocol(tmp_path):
+    """Issue 42: each kept run with its commit and date, and a run older than the current protocol
+    says so (by git's history, or by its date where git does not know the commit)."""
+    from bench.__main__ import PROTOCOL_SINCE, kept_results
+
+    _kept_run(tmp_path, "a_old", "f59d714", "2026-11-30T04:26:07+00:00")
+    _kept_run(tmp_path, "b_new", "44f6c1f", "2026-12-01T19:08:29+00:00")
+    _kept_run(tmp_path, "c_unknown_old", "0000000", "2026-11-01T00:00:00+00:00")
+    text = kept_results(str(tmp_path))
+    heads = [line for line in text.splitlines() if line.startswith("docs/results/")]
+    assert text.startswith("The GPU results this checkout keeps (docs/results/):") and len(heads) == 3, text
+    old = f". Measured before the current protocol ({PROTOCOL_SINCE[0]}, {PROTOCOL_SINCE[1][:10]}): "
+    assert heads[0].startswith("docs/results/a_old: 2x NVIDIA H200, commit f59d714 of 2026-11-30, torch 2.11.0+cu130")
+    assert old + "its rows, and their speedups over NCCL (x), are the kernels' at f59d714, not this" in heads[0]
+    assert heads[1].startswith("docs/results/b_new: 2x NVIDIA H200, commit 44f6c1f of 2026-12-01,")
+    assert old not in heads[1]
+    assert old in heads[2]
+
+
+def test_an_installed_copy_says_once_that_it_keeps_no_gpu_results(tmp_path):
+    from bench.__main__ import CPU_NOTE, kept_results
+
+    assert "follow" not in CPU_NOTE
+    assert kept_results(str(tmp_path / "none")) == ("GPU results are not in this installation: the repository keeps "
+                                                   "them in docs/results/ (one folder per machine kind).")

@@ -78,7 +78,7 @@ def test_bench_with_vllms_batch_metadata(tmp_path):
 def test_kept_results_where_the_checkout_has_none(tmp_path):
     from bench.__main__ import kept_results
 
-    assert kept_results(str(tmp_path / "nowhere")).startswith("GPU results: not in this installation; ")
+    assert kept_results(str(tmp_path / "nowhere")).startswith("GPU results are not in this installation: ")
 
 
 def test_host_time_probe_times_every_step_on_every_rank():

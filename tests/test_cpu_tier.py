@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
@@ -177,6 +178,31 @@ def test_ranks_disagreeing_on_geometry_fail_together(worlds):
                          dict(max_tokens=2 + r, num_heads=6, head_dim=16)))
     msgs = w._collect(range(3), 120)
     assert len(set(msgs)) == 1 and "disagree" in msgs[0]
+    assert msgs[0].endswith(": max_tokens: rank 0 has 2, rank 1 has 3, rank 2 has 4"), msgs[0]
+
+
+def test_a_geometry_mismatch_names_the_fields_that_differ(worlds):
+    """Issue 42: each field that differs with each rank's value, not every rank's whole tuple."""
+    from tests import lockstep_cases as lc
+
+    msgs = worlds(2).run(lc.construct_per_rank, {0: dict(head_dim=64), 1: dict(head_dim=128, query_dim=96,
+                                                                                 query_dtype=torch.float16)},
+                         max_tokens=8, num_heads=4)
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0] == ("DcpError: ranks disagree on the DcpAllToAll geometry (every rank must construct it alike): "
+                       "head_dim: rank 0 has 64, rank 1 has 128; query_dim: rank 0 has 64, rank 1 has 96; "
+                       "query_dtype: rank 0 has torch.bfloat16, rank 1 has torch.float16"), msgs[0]
+
+
+def test_geometry_disagreement_groups_ranks_by_value():
+    from dcp.checks import GEOMETRY_FIELDS, geometry_disagreement
+
+    base = tuple(range(len(GEOMETRY_FIELDS)))
+    geometries = [base] * 8
+    geometries[3] = base[:2] + (128,) + base[3:-1] + (True,)
+    text = geometry_disagreement(geometries)
+    assert text.endswith(": head_dim: ranks 0-2, 4-7 have 2, rank 3 has 128; "
+                         "DCP_A2A_MEASURE: ranks 0-2, 4-7 have 10, rank 3 has True"), text
 
 
 def test_ranks_share_the_constructors_compiles(worlds):

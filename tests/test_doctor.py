@@ -1,6 +1,7 @@
 """``python -m dcp.doctor`` as a user runs it, on this machine (no GPU in CI)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,8 @@ def test_without_a_gpu_or_arch_it_says_what_it_could_not_check():
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].startswith(f"versions: torch {torch.__version__}, triton ")
+    # whether these are releases we test, without a GPU too (issue 42)
+    assert lines[1].strip() == doctor.tested(doctor.versions()) and "the tested range" in lines[1], lines[1]
     assert [line for line in lines if "not checked" in line] == [
         "compiled code not checked: no GPU here; name an architecture with --arch (for example --arch sm_90 "
         "--arch sm_120)"]
@@ -48,6 +51,11 @@ def test_arch_compiles_every_variant_writes_ptx_and_json(tmp_path):
     ptx = sorted((tmp_path / "ptx").glob("*.ptx"))
     assert len(ptx) == len(names) and all("st.global.v4" in p.read_text() for p in ptx)
     assert f"{len(names)} of {len(names)} variants ok" in run.stdout
+    # the table's columns and variant names explained beneath it (issue 42)
+    legend = run.stdout[run.stdout.index("columns of the compiled-code table:"):]
+    for term in ("variant ", "wN: N warps per program", "pdl: launched with programmatic dependent", "v4 st ",
+                 "v4 ld ", "2-byte ", "spill ", "regs ", "smem "):
+        assert term in legend, term
     assert report["geometry"]["world_size"] == 3 and report["versions"]["torch"] == torch.__version__
 
 
@@ -78,7 +86,61 @@ def test_a_bad_verdict_exits_1(monkeypatch, capsys):
     (["--world-size", "9"], "--world-size must be from 2 to 8; got 9"),
     (["--head-dim", "12", "--arch", "sm_90"], "head_dim must be"),
     (["--query-dim", "20", "--query-dtype", "fp8"], "query_dim must be a positive multiple of 16"),
+    (["--query-dim", "20", "--query-dtype", "float8_e5m2"], "query_dim must be a positive multiple of 16"),
 ])
 def test_a_geometry_the_communicator_refuses_is_refused_up_front(args, message):
     run = _doctor(*args)
     assert run.returncode == 2 and message in run.stderr and run.stdout == ""
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "1", "9"])
+def test_world_size_outside_2_to_8_is_refused(capsys, size):
+    """0 once ran as N = 4 and exited 0 (issue 42)."""
+    assert doctor.main(["--world-size", size]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"dcp.doctor: --world-size must be from 2 to 8; got {size}\n"
+
+
+def test_says_whether_torch_and_triton_are_tested():
+    span = "torch 2.11-2.14, Triton 3.6-3.9"
+    assert doctor.tested({"torch": "2.14.1", "triton": "3.8.0"}) == (
+        f"tested: torch 2.14.1 with Triton 3.8.0 (CI: the CPU tier on the users' stack (SGLang 0.5.23's pins; "
+        f"vLLM 0.33.0's torch); the tested range: {span})")
+    assert doctor.tested({"torch": "2.13.0+cpu", "triton": "3.6.0"}).startswith("tested: torch 2.13.0+cpu with ")
+    assert doctor.tested({"torch": "2.12.1", "triton": "3.7.0"}).startswith(
+        f"within the tested range ({span}): torch 2.12.1 with Triton 3.7.0, a pair not run itself (those run: "
+        "2.11 with 3.6, 2.13 with 3.6, 2.14 with 3.8, 2.13 with 3.9)")
+    assert doctor.tested({"torch": "2.15.0", "triton": "3.10.0"}) == (
+        "not tested: torch 2.15.0 is outside the tested range 2.11-2.14; triton 3.10.0 is outside the tested "
+        f"range 3.6-3.9 (tested: {span})")
+
+
+def test_pyproject_declares_the_tested_range():
+    text = (ROOT / "pyproject.toml").read_text()
+    for name, ((major, low), (_, high)) in doctor.TESTED.items():
+        assert f'"{name}>={major}.{low},<{major}.{high + 1}"' in text, name
+
+
+def test_help_gives_every_option_its_text_and_default():
+    """Issue 42: --heads-per-rank and --query-dtype had no help, and no option showed its default."""
+    ap = doctor.parser()
+    helps = {a.dest: doctor._Help("x")._get_help_string(a) for a in ap._actions if a.dest != "help"}
+    assert len(helps) == 12
+    for dest, text in helps.items():
+        assert re.fullmatch(r"\w.* \(default: [^)]+\)", text, re.S), (dest, text)
+    assert "columns of the compiled-code table:" in ap.format_help()
+
+
+def test_the_doctor_and_the_benchmark_take_the_same_dtype_names():
+    """Issue 42: bf16 in one, bfloat16 in the other; and the benchmark had no float32."""
+    from bench.__main__ import parser as bench_parser
+
+    bench = {a.dest: a for a in bench_parser(False, 0)._actions}
+    ours = {a.dest: a for a in doctor.parser()._actions}
+    for dest in ("dtype", "query_dtype"):
+        assert list(bench[dest].choices) == list(ours[dest].choices), dest
+    assert list(ours["dtype"].choices) == ["bfloat16", "float16", "float32"]
+    for short, name in [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")]:
+        assert doctor.parser().parse_args(["--dtype", short]).dtype == name
+        assert bench_parser(False, 0).parse_args(["--dtype", short]).dtype == name
+    assert bench_parser(False, 0).parse_args(["--query-dtype", "fp8"]).query_dtype == "float8_e4m3fn"

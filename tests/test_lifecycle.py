@@ -1,9 +1,15 @@
 """Channels, epochs across the wrap, timeouts, peer death, mismatched calls, leaks, soak (CPU tier)."""
 
+import os
+import secrets
+
+import pytest
+
+from dcp.buffers import SHM_PREFIX
 from dcp.spawn import World
 from dcp.kernels import EPOCH_PERIOD
 from tests import rank_cases as rc
-from tests.conftest import fresh_seed
+from tests.conftest import check_no_leaks, fresh_seed
 
 SHORT_TIMEOUT_S = 2.0
 
@@ -91,6 +97,41 @@ def test_ranks_with_different_sizes_are_told(worlds):
     msgs = w._collect(range(3), 120)
     assert all("entered the same DCP call differently" in m for m in msgs), msgs
     w.run(rc.close_comm, "mm")
+
+
+def test_leak_checks_ignore_other_users_segments(worlds):
+    """A server using the package, or a second test run, on this machine has /dev/shm/dcp-a2a-*
+    segments of its own (issue 42): this session's checks count only the segments whose names carry
+    its tag, before and after a failed construction, after a good one, and at the end."""
+    foreign = [f"{SHM_PREFIX}{secrets.token_hex(12)}-0",  # untagged, as a server's
+               f"{SHM_PREFIX}test1x000000-{secrets.token_hex(12)}-1"]  # another test session's
+    for path in foreign:
+        with open(path, "wb"):
+            pass
+    try:
+        w = worlds(2)
+        msgs = w.run(rc.construct_expect_error, max_tokens=2, num_heads=3, head_dim=16)
+        assert "num_heads must be a positive multiple" in msgs[0], msgs
+        w.run(rc.make_comm, "beside", max_tokens=2, num_heads=4, head_dim=16)
+        w.run(rc.close_comm, "beside")
+        assert w.run(rc.shm_segments) == [[], []]
+        check_no_leaks()
+    finally:
+        for path in foreign:
+            os.unlink(path)
+
+
+def test_a_leak_of_this_sessions_own_fails_the_check(worlds):
+    """The other side: segments this session's ranks leave behind (unlinking turned off) fail it."""
+    left = worlds(2).run(rc.leaking_construction)[0]
+    try:
+        assert len(left) == 2 and all(p.startswith(SHM_PREFIX + os.environ["DCP_A2A_SHM_TAG"] + "-") for p in left)
+        with pytest.raises(AssertionError, match="shared-memory segments left behind") as exc:
+            check_no_leaks()
+        assert all(p in str(exc.value) for p in left)
+    finally:
+        for path in left:
+            os.unlink(path)
 
 
 def test_construct_close_50_times_leaks_nothing(worlds):

@@ -81,8 +81,8 @@ def _run(cmd: list, cwd: Path, timeout: float, env: Optional[dict] = None) -> su
 
 
 def _source_copy(folder: str, names: list) -> list:
-    """What the build copy leaves out: VCS, build outputs and caches, results and docs."""
-    top = {".git", "build", "docs", "results", ".whl"} if Path(folder) == ROOT else set()
+    """What the build copy leaves out: VCS, build outputs and caches, results and docs, the README's venv."""
+    top = {".git", "build", "docs", "results", ".whl", ".venv"} if Path(folder) == ROOT else set()
     return [n for n in names if n in top or n in {"__pycache__", ".pytest_cache"} or n.endswith(".egg-info")]
 
 
@@ -182,4 +182,13 @@ def test_two_rank_call_through_installed_package(installed):
 
 def test_console_script_help(installed):
     proc = _run([installed.scripts / SCRIPT, "--help"], installed.cwd, 120, installed.env)
-    assert "--world-size" in proc.stdout
+    assert proc.stdout.startswith(f"usage: {SCRIPT} [-h]") and "--world-size" in proc.stdout
+
+
+def test_python_m_dcp_bench_runs_from_the_wheel_and_says_so(installed):
+    """The README's installed name: ``python -m dcp.bench`` (``python -m bench`` is the source tree's)."""
+    proc = _run([installed.python, "-m", "dcp.bench", "--help"], installed.cwd, 120, installed.env)
+    assert proc.stdout.startswith("usage: python -m dcp.bench [-h]"), proc.stdout[:200]
+    kept = _run([installed.python, "-c", "from dcp.bench.__main__ import kept_results; print(kept_results())"],
+                installed.cwd, 120, installed.env).stdout
+    assert kept.startswith("GPU results are not in this installation") and kept.count("\n") == 1, kept
