@@ -35,7 +35,6 @@ def _sglang(state) -> types.SimpleNamespace:
     if "sglang" in state:
         return state["sglang"]
     os.environ["DCP_A2A_SGLANG"] = "1"
-    os.environ["TRITON_INTERPRET"] = "1"  # SGLang's own Triton kernels (its fallback) on CPU tensors
     os.environ.pop("SGLANG_PLUGINS", None)
     records = Records()
     logging.getLogger("sglang.dcp_a2a").addHandler(records)
@@ -45,6 +44,9 @@ def _sglang(state) -> types.SimpleNamespace:
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.layers.dcp import comm as sgl_comm
 
+    # SGLang's pynccl-backed all-to-all is a custom op registered for CUDA tensors only; on the CPU
+    # its own a2a (the fallback here) goes to the group's torch.distributed path directly.
+    ps.GroupCoordinator.all_to_all_single = lambda self, out, inp: self._all_to_all_single(out, inp)
     calls = _count_transports(sgl_comm, ps)
     entry_point("sglang.srt.plugins", "dcp.sglang_plugin:register")
     from sglang.srt.plugins import load_plugins
@@ -55,9 +57,6 @@ def _sglang(state) -> types.SimpleNamespace:
     from sglang.srt.runtime_context import get_parallel
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    # SGLang's pynccl-backed all-to-all is a custom op registered for CUDA tensors only; on the CPU
-    # its own a2a (the fallback here) goes to the group's torch.distributed path directly.
-    ps.GroupCoordinator.all_to_all_single = lambda self, out, inp: self._all_to_all_single(out, inp)
     group = ps.init_model_parallel_group([list(range(n))], rank, "gloo", use_pynccl=False,
                                          use_custom_allreduce=False, use_mscclpp=False,
                                          use_torch_symm_mem_allreduce=False, group_name="dcp")
@@ -139,9 +138,10 @@ def _runner(modules) -> types.SimpleNamespace:
                                  decode_num_tokens_per_req=lambda: WIDTH)
 
 
-def _layer(s, layer, seed: int, base_e: bool, n: int, rank: int) -> dict:
+def _layer(s, layer, seed: int, base_e: bool, n: int, rank: int, special: bool = True) -> dict:
     """One decode step of the layer: the query gather through SGLang's function, then
-    ``forward_absorb_core`` (attention stand-in, SGLang's combine call, the value projection)."""
+    ``forward_absorb_core`` (attention stand-in, SGLang's combine call, the value projection).
+    ``special``: LSEs of -inf, NaN and +inf among the inputs, NaN partials of empty shards."""
     nope = layer.kv_lora_rank
     H = n * LOCAL_HEADS
     queries = make_queries(seed, n, B, LOCAL_HEADS, nope + ROPE, torch.bfloat16)
@@ -150,7 +150,7 @@ def _layer(s, layer, seed: int, base_e: bool, n: int, rank: int) -> dict:
     want = torch.cat(queries, dim=1)
     exact = (torch.equal(q_nope_all.view(torch.int16), want[..., :nope].view(torch.int16))
              and torch.equal(q_pe_all.view(torch.int16), want[..., nope:].view(torch.int16)))
-    outs, lses = make_inputs(seed + 1, n, B, H, nope, torch.bfloat16, special=True)
+    outs, lses = make_inputs(seed + 1, n, B, H, nope, torch.bfloat16, special=special)
     if not base_e:
         lses = [l / LN2 for l in lses]  # the same weights in base 2
     layer.partials = (outs[rank], lses[rank])
@@ -209,7 +209,8 @@ def first_seen_in_capture(state, seed: int) -> dict:
     try:
         with s.get_parallel().override(dcp_group=s.group, dcp_size=n, dcp_comm_backend="a2a"):
             s.calls.clear()
-            res = _layer(s, layer, seed, True, n, rank)
+            res = _layer(s, layer, seed, True, n, rank, special=False)  # (SGLang's own: NaN rows of
+            # empty shards propagate through its combine)
     finally:
         dropin.capturing = capturing
     return {"res": res, "calls": dict(s.calls), "built": len(dropin._comms) - comms_before,
