@@ -60,9 +60,13 @@ def _sglang(state) -> types.SimpleNamespace:
     group = ps.init_model_parallel_group([list(range(n))], rank, "gloo", use_pynccl=False,
                                          use_custom_allreduce=False, use_mscclpp=False,
                                          use_torch_symm_mem_allreduce=False, group_name="dcp")
+    from dcp import sglang_plugin
+
+    # close: the rank's teardown closes the communicators (collective), even after a failed test
     state["sglang"] = types.SimpleNamespace(calls=calls, log=records.lines, group=group, ps=ps, comm=sgl_comm,
                                             forward_mla=forward_mla, ForwardMode=ForwardMode,
-                                            get_parallel=get_parallel, file=sglang.__file__)
+                                            get_parallel=get_parallel, file=sglang.__file__,
+                                            close=sglang_plugin.close_all)
     return state["sglang"]
 
 

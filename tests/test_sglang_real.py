@@ -56,17 +56,17 @@ def test_plugin_in_a_real_sglang(worlds, n):
     w = worlds(n)
     for backend in ("a2a", "ag_rs", "fi_a2a"):
         res = w.run(sc.real_sglang_layer, fresh_seed(), backend, timeout=600)
+        calls = res[0]["calls"]
+        theirs = {k: v for k, v in calls.items() if not k.startswith("ours")}
+        assert theirs == {}, f"SGLang's own transports ran under {backend}: {theirs}"
+        assert calls.get("ours: combine") == 2 and calls.get("ours: query gather") == 2, (backend, calls)
+        assert all(r["calls"] == calls for r in res), [r["calls"] for r in res]
         for r in res:
             for base_e, one in r["results"].items():
                 assert one["exact"], (backend, base_e, "query gather not bit-exact")
                 assert one["err"] <= rc.TOL[torch.bfloat16], (backend, base_e, one["err"])
             # (the stand-in runner: 4 captured requests x 2 tokens; H = 2 heads per rank, D 32, Dq 48)
             assert r["built"] == [(8, 2 * n, sc.NOPE, sc.NOPE + sc.ROPE)], r["built"]
-        calls = res[0]["calls"]
-        assert calls.get("ours: combine") == 2 and calls.get("ours: query gather") == 2, (backend, calls)
-        theirs = {k: v for k, v in calls.items() if not k.startswith("ours")}
-        assert theirs == {}, f"SGLang's own transports ran under {backend}: {theirs}"
-        assert all(r["calls"] == calls for r in res), [r["calls"] for r in res]
         log = res[0]["log"]
         assert any("hooked in sglang.srt.layers.dcp.comm" in line for line in log), log
         assert any(f"--dcp-comm-backend {backend}" in line and "on dcp-a2a" in line for line in log), log
