@@ -67,6 +67,10 @@ _MARK = "_dcp_a2a_original"
 _verdicts: dict = {}  # (kind, group id, geometry but B, dtype, device, backend) -> communicator or None
 _combine_comms: dict = {}  # (group id, heads, D, dtype, device) -> a communicator built for it
 _gather_comms: dict = {}  # (group id, heads, nope width, rope width, dtype, device) -> the same
+# id(communicator) -> its queries' staging [max_tokens, H/N, Dq], allocated with it (before capture):
+# a gather writes its two parts there and gathers them at once, so that in capture it allocates only
+# its result. (Shared by the channel's calls, which are serialized on one stream.)
+_staging: dict = {}
 _logged: set = set()
 _max_tokens: dict = {"tokens": None, "why": "default"}  # the last runner's capture size, for later builds
 _get_parallel: Any = None  # sglang.srt.runtime_context.get_parallel, once registered
@@ -219,6 +223,8 @@ def _gather_verdict(group, heads: int, nope: int, rope: int, dtype: torch.dtype,
             if comm is not None:
                 _gather_comms[(id(group), heads, nope, rope, dtype, device)] = comm
                 _combine_comms.setdefault((id(group), heads, nope, dtype, device), comm)
+                _staging.setdefault(id(comm), torch.empty((comm.max_tokens, comm.heads_per_rank, comm.query_dim),
+                                                          dtype=comm.query_dtype, device=comm.device))
     comm, why = _backend_verdict(comm, why, backend)
     _verdicts[key] = (comm, group)  # (the group kept alive with its id in the key)
     _log_once(key, f"N={world}, {heads} heads: query gather Dq={nope + rope} ({nope} + {rope}) {dtype}"
@@ -330,13 +336,17 @@ def _query_gather(original, q_nope_out: torch.Tensor, q_pe: torch.Tensor) -> tup
                                q_nope_out.device, parallel.dcp_comm_backend)
     if comm is None:
         return original(q_nope_out, q_pe)
-    nope = q_nope_out.shape[2]
-    gathered = comm.all_gather_heads(torch.cat([q_nope_out, q_pe], dim=-1))
+    tokens, local_heads, nope = q_nope_out.shape
+    stage = _staging.get(id(comm))
+    if stage is None or tokens > stage.shape[0]:
+        stage = torch.empty((tokens, local_heads, comm.query_dim), dtype=comm.query_dtype, device=comm.device)
+    q = torch.cat([q_nope_out, q_pe], dim=-1, out=stage[:tokens])
+    gathered = comm.all_gather_heads(q)
     return gathered[..., :nope], gathered[..., nope:]
 
 
 def close_all() -> None:
     """Collective: close every communicator built here (drop captured graphs first)."""
-    for cache in (_verdicts, _combine_comms, _gather_comms, _logged):
+    for cache in (_verdicts, _combine_comms, _gather_comms, _staging, _logged):
         cache.clear()
     dropin.close_all()

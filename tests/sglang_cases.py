@@ -225,3 +225,119 @@ def close(state) -> None:
     from dcp import sglang_plugin
 
     sglang_plugin.close_all()
+
+
+class _StandInLayer(torch.nn.Module):
+    """What the plugin reads of an MLA layer before capture (SGLang's DeepseekV2AttentionMLA)."""
+
+    def __init__(self, n: int, local_heads: int, nope: int, rope: int):
+        super().__init__()
+        self.dcp_size, self.num_local_heads, self.kv_lora_rank, self.qk_rope_head_dim = n, local_heads, nope, rope
+
+    def is_dcp_mla_decode_phase(self, forward_batch) -> bool:
+        return True
+
+
+def graphed_plugin(state, seed: int, sizes: list, layers: int, replays: int) -> dict:
+    """GPU, without SGLang: the plugin's query gather and combine as SGLang's MLA forward calls them
+    (its hooks, with a stand-in of SGLang's DCP group and runtime context), communicators built by
+    ``prepare`` from a stand-in runner before capture; one CUDA graph per batch size of ``layers``
+    layers (gather, an attention stand-in deriving partials from the gathered queries, combine;
+    LSEs in base e and base 2 by turns), replayed in a random order shared by the ranks on fresh
+    inputs, outputs poisoned first. Returns the allocations each captured call made."""
+    import random
+
+    from dcp import sglang_plugin
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    hn, nope, rope, dt = 16, 512, 64, torch.bfloat16
+    H = n * hn
+    group = types.SimpleNamespace(world_size=n, rank_in_group=rank, device_group=dist.group.WORLD)
+    sglang_plugin._get_parallel = lambda: types.SimpleNamespace(dcp_group=group, dcp_comm_backend="a2a")
+    theirs = Counter()
+
+    def own(name):
+        def sglangs_own(*args, **kwargs):
+            theirs[name] += 1
+            raise AssertionError(f"SGLang's own {name} ran")
+        return sglangs_own
+
+    os.environ["DCP_A2A_MAX_TOKENS"] = str(max(sizes))
+    built = sglang_plugin.prepare(types.SimpleNamespace(model=torch.nn.ModuleList([_StandInLayer(n, hn, nope, rope)]),
+                                                        dtype=dt))
+    comm = built[0]
+    assert comm is not None and comm.query_dim == nope + rope, built
+    memory = comm.memory_bytes()
+    allocated = lambda: torch.cuda.memory_stats(dev).get("allocation.all.allocated", 0)
+
+    def attention(q_nope_all, po, pl, layer: int) -> None:
+        x = q_nope_all.view(torch.uint8)[..., :nope].to(torch.float32)
+        po.copy_(x * ((rank + 1 + layer) / 256.0))
+        pl.copy_(x[..., 0] / 64.0 - rank)
+
+    def layer_call(b, layer: int, counts=None):
+        before = allocated()
+        qn, qp = sglang_plugin._query_gather(own("all_gather_q_for_mla_decode"), b["q_nope"], b["q_pe"])
+        if counts is not None:
+            counts.append(("gather", allocated() - before))
+        attention(qn, b["po"], b["pl"], layer)
+        before = allocated()
+        y = sglang_plugin._a2a_combine(own("dcp_a2a_lse_reduce"), b["po"], b["pl"], group,
+                                       is_lse_base_on_e=layer % 2 == 0, comm_backend="a2a")
+        if counts is not None:
+            counts.append(("combine", allocated() - before))
+        return qn, qp, y
+
+    graphs, allocs = [], []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        pass  # what torch allocates for a stream's first capture
+    for B in sizes:
+        bufs = [dict(q_nope=torch.empty((B, hn, nope), dtype=dt, device=dev),
+                     q_pe=torch.empty((B, hn, rope), dtype=dt, device=dev),
+                     po=torch.empty((B, H, nope), dtype=dt, device=dev),
+                     pl=torch.empty((B, H), dtype=torch.float32, device=dev)) for _ in range(layers)]
+        for layer, b in enumerate(bufs):  # the eager warm-up SGLang runs before capture
+            b["q_nope"].zero_()
+            b["q_pe"].zero_()
+            layer_call(b, layer)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            results = [layer_call(b, layer, allocs) for layer, b in enumerate(bufs)]
+        graphs.append((B, graph, bufs, results))
+    rnd = random.Random(seed)
+    worst = 0.0
+    for step in range(replays):
+        B, graph, bufs, results = graphs[rnd.randrange(len(graphs))]
+        queries = []
+        for layer, (b, (qn, qp, y)) in enumerate(zip(bufs, results)):
+            qs = make_queries(seed + 97 * step + layer, n, B, hn, nope + rope, dt)
+            b["q_nope"].copy_(qs[rank][..., :nope])
+            b["q_pe"].copy_(qs[rank][..., nope:])
+            qn.view(torch.uint8).fill_(0xFF)  # poison: NaN in bf16
+            qp.view(torch.uint8).fill_(0xFF)
+            y.fill_(float("nan"))
+            queries.append(qs)
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer, ((qn, qp, y), qs) in enumerate(zip(results, queries)):
+            want = torch.cat(qs, dim=1)
+            assert torch.equal(qn.cpu().view(torch.int16), want[..., :nope].view(torch.int16)) and \
+                torch.equal(qp.cpu().view(torch.int16), want[..., nope:].view(torch.int16)), \
+                f"step {step} B={B} layer {layer}: gather not exact"
+            x = want.view(torch.uint8)[..., :nope].to(torch.float32)
+            outs = [(x * ((r + 1 + layer) / 256.0)).to(dt) for r in range(n)]
+            lses = [x[..., 0] / 64.0 - r for r in range(n)]
+            ref, _ = chunk_reference(outs, lses, rank, hn, layer % 2 == 0)
+            err = max_rel_error(y, ref)
+            assert err <= TOL[dt], f"step {step} B={B} layer {layer}: combine error {err}"
+            worst = max(worst, err)
+    result = {"err": worst, "allocs": allocs, "theirs": dict(theirs), "memory_same": comm.memory_bytes() == memory,
+              "communicators": len(dropin._comms)}
+    del graphs
+    os.environ.pop("DCP_A2A_MAX_TOKENS")
+    sglang_plugin.close_all()
+    return result
