@@ -281,9 +281,11 @@ _BACKEND_NOTES = {
 
 
 def _log_once(key, what: str, comm, why, backend) -> None:
-    if key in _logged:
-        return
+    if key in _logged or (comm is not None and (id(comm), backend) in _logged):
+        return  # (a combine served by the communicator whose gather line said so already)
     _logged.add(key)
+    if comm is not None:
+        _logged.add((id(comm), backend))
     if comm is None:
         (log.warning if "capture" in (why or "") else log.info)(
             "dcp_a2a: %s: SGLang's own kept (%s)", what, why)
