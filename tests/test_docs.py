@@ -20,7 +20,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DESIGN = ROOT / "docs" / "design.md"
-MAX_README_LINES = 220
+MAX_README_LINES = 245  # (the SGLang section, beside the vLLM one, took 24)
 RESULT_SUFFIXES = (".csv", ".json", ".log", ".txt")
 TOLERANCE_BF16 = 1.6e-2  # tests/rank_cases.TOL[torch.bfloat16]
 
