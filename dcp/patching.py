@@ -1,14 +1,12 @@
-"""What the framework plugins (``dcp.vllm_plugin``, ``dcp.sglang_plugin``) share: patching a module
-when it is imported, not before (they load in every process of a serving engine, and importing a
-heavy module there only to patch it slows the start-up of processes that never use it), and
-checking a function's parameters before wrapping it (they patch by the symbols they find)."""
+"""Patch a framework's module when it is imported, not before: the plugins (``dcp.vllm_plugin``,
+``dcp.sglang_plugin``) load in every process of a serving engine, and importing a heavy module
+there only to patch it would slow the start-up of processes that never use it."""
 
 import importlib.abc
 import importlib.machinery
-import inspect
 import sys
 from types import ModuleType
-from typing import Callable, Iterable
+from typing import Callable
 
 _patches: dict = {}  # module name -> the patches to apply each time it executes
 
@@ -54,11 +52,3 @@ class _PatchingLoader(importlib.abc.Loader):
     def __getattr__(self, name):  # get_source, get_code, ... as the wrapped loader has them
         return getattr(self.loader, name)
 
-
-def missing_parameters(fn: Callable, names: Iterable[str]) -> list:
-    """Those of ``names`` that ``fn`` has no parameter for (all of them where it cannot be inspected)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return list(names)
-    return [n for n in names if n not in params]

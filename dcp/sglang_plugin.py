@@ -46,7 +46,7 @@ from dcp import vllm as dropin
 from dcp.checks import combine_geometry_error, query_geometry_error
 from dcp.comm import DcpAllToAll
 from dcp.errors import DcpError
-from dcp.patching import missing_parameters, when_imported
+from dcp.patching import when_imported
 
 # A child of SGLang's logger, so that its lines appear in SGLang's log.
 log = logging.getLogger("sglang.dcp_a2a")
@@ -83,7 +83,7 @@ def enabled() -> bool:
 def register() -> None:
     """SGLang's plugin hook: route its MLA DCP collectives here if ``DCP_A2A_SGLANG=1`` (else nothing)."""
     global _get_parallel
-    if not enabled():
+    if not enabled() or _get_parallel is not None:  # (once per process)
         return
     if torch.version.hip:
         log.info("dcp_a2a: DCP_A2A_SGLANG=1 on ROCm: SGLang's own DCP transports kept (this package serves CUDA)")
@@ -102,13 +102,11 @@ def register() -> None:
     hooked = []
     for name, hook in hooks.items():
         fn = getattr(comm_module, name, None)
-        params = HOOKED[name]
-        wrong = [name] if fn is None else missing_parameters(fn, params)
-        if not wrong and list(_parameters(fn)) != list(params):
-            wrong = [f"{name}({', '.join(_parameters(fn))})"]
-        if wrong:
-            log.warning("dcp_a2a: %s lacks %s (or has other parameters); that collective left to SGLang",
-                        COMM_MODULE, ", ".join(wrong))
+        found = None if fn is None else _parameters(fn)
+        if found != HOOKED[name]:  # (the hooks take SGLang's parameters by these names, and pass them back)
+            log.warning("dcp_a2a: %s.%s %s, not (%s) as in SGLang 0.5.23; that collective left to SGLang",
+                        COMM_MODULE, name, "is missing" if fn is None else f"takes ({', '.join(found or ())})",
+                        ", ".join(HOOKED[name]))
             continue
         HookRegistry.register(f"{COMM_MODULE}.{name}", hook, HookType.AROUND)
         hooked.append(name)
@@ -118,8 +116,11 @@ def register() -> None:
              ", ".join(hooked), COMM_MODULE)
 
 
-def _parameters(fn) -> tuple:
-    return tuple(inspect.signature(fn).parameters)
+def _parameters(fn) -> Optional[tuple]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
 
 
 # --- before capture -----------------------------------------------------------------------------

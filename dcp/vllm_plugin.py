@@ -35,7 +35,7 @@ from dcp import vllm as dropin
 from dcp.checks import combine_geometry_error, query_geometry_error
 from dcp.comm import DcpAllToAll
 from dcp.errors import DcpError
-from dcp.patching import missing_parameters, when_imported
+from dcp.patching import when_imported
 
 # A child of vLLM's logger, so that its lines appear in vLLM's log.
 log = logging.getLogger("vllm.dcp_a2a")
@@ -131,13 +131,21 @@ def _impl_comm(impl) -> None:
                      world, heads, d, dtype, why)
 
 
+def _missing_parameters(fn, names) -> list:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return list(names)
+    return [n for n in names if n not in params]
+
+
 def _patch_manager(module) -> None:
     cls = getattr(module, "MLADCPManager", None)
     methods = ("__init__", "_init_combine", "_init_query_gather")
     missing = ["MLADCPManager"] if cls is None else [m for m in methods if not callable(getattr(cls, m, None))]
     if not missing:
         missing = [f"{m}({p})" for m, names in zip(methods, (_MANAGER_ARGS, _COMBINE_ARGS, _GATHER_ARGS))
-                   for p in missing_parameters(getattr(cls, m), names)]
+                   for p in _missing_parameters(getattr(cls, m), names)]
     if missing:
         log.warning("dcp_a2a: %s lacks %s; its DCP manager left untouched", module.__name__, ", ".join(missing))
         return
