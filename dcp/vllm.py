@@ -40,6 +40,14 @@ def max_tokens_from_env() -> int:
     return tokens
 
 
+def max_tokens_for(framework_sized: Optional[int]) -> int:
+    """A communicator's max_tokens: ``DCP_A2A_MAX_TOKENS`` where set, else the tokens the framework
+    sized its own DCP buffers or graphs for (else 256): larger calls run in chunks."""
+    if os.environ.get("DCP_A2A_MAX_TOKENS"):
+        return max_tokens_from_env()
+    return framework_sized or DEFAULT_MAX_TOKENS
+
+
 def group_parts(cp_group: Any) -> tuple:
     """(process group or None, world size) of a ProcessGroup or a coordinator-like object."""
     if isinstance(cp_group, dist.ProcessGroup):

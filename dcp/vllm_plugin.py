@@ -23,8 +23,6 @@ Where an expected symbol is missing it says so and leaves that part of vLLM unto
 
 import functools
 import importlib
-import importlib.abc
-import importlib.machinery
 import inspect
 import logging
 import os
@@ -37,6 +35,7 @@ from dcp import vllm as dropin
 from dcp.checks import combine_geometry_error, query_geometry_error
 from dcp.comm import DcpAllToAll
 from dcp.errors import DcpError
+from dcp.patching import when_imported
 
 # A child of vLLM's logger, so that its lines appear in vLLM's log.
 log = logging.getLogger("vllm.dcp_a2a")
@@ -75,41 +74,10 @@ def register() -> None:
         log.warning("dcp_a2a: DCP_A2A_VLLM=1 but neither %s nor %s can be imported; vLLM left untouched",
                     MANAGER_MODULE, ALLTOALL_MODULE)
         return
-    for module_name, _ in IMPLS:  # patched when vLLM imports them (importing them here would be heavy)
-        if module_name in sys.modules:
-            _patch_impls(sys.modules[module_name])
-    if not any(type(f).__name__ == "_ImplFinder" for f in sys.meta_path):  # (one, even after a reload)
-        sys.meta_path.insert(0, _ImplFinder())
-
-
-class _ImplFinder(importlib.abc.MetaPathFinder):
-    """Patches an attention backend module of ``IMPLS`` right after it executes: the file system's
-    spec for it, its loader wrapped for that one module. (A module found some other way loads
-    unpatched: its combine is then built on first use, or served by vLLM's own in capture.)"""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in dict(IMPLS):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        spec.loader = _PatchingLoader(spec.loader)
-        return spec
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        _patch_impls(module)
-
-    def __getattr__(self, name):  # get_source, get_code, ... as the wrapped loader has them
-        return getattr(self.loader, name)
+    # Patched when vLLM imports them (importing them here would be heavy). One loaded other than from
+    # a file stays unpatched: its combine is then built on first use, or served by vLLM's in capture.
+    for module_name, _ in IMPLS:
+        when_imported(module_name, _patch_impls)
 
 
 def _patch_impls(module) -> None:
@@ -133,13 +101,6 @@ def _patch_impls(module) -> None:
     cls.__init__ = __init__
 
 
-def _max_tokens(vllm_sized: Optional[int]) -> int:
-    """A communicator's max_tokens: ``DCP_A2A_MAX_TOKENS``, else what vLLM sized its DCP buffers for."""
-    if os.environ.get("DCP_A2A_MAX_TOKENS"):
-        return dropin.max_tokens_from_env()
-    return vllm_sized or dropin.DEFAULT_MAX_TOKENS
-
-
 def _impl_comm(impl) -> None:
     """Build the communicator of an attention implementation that bound this package's combine
     (collective: every rank builds the same layers in the same order)."""
@@ -154,7 +115,7 @@ def _impl_comm(impl) -> None:
     why = "a group of one" if world == 1 else combine_geometry_error(world, heads, d, dtype)
     key = ("impl", type(impl).__name__, world, heads, d, dtype)
     if why is None:
-        tokens = _max_tokens(getattr(impl, "_dcp_max_num_tokens", None))
+        tokens = dropin.max_tokens_for(getattr(impl, "_dcp_max_num_tokens", None))
         try:
             comm = dropin.communicator(group, heads, d, dtype, max_tokens=tokens)
         except DcpError as exc:  # raised alike on every rank: every rank leaves it to vLLM's own
@@ -251,7 +212,7 @@ def _manager_comm(manager) -> Optional[DcpAllToAll]:
     query_why = query_geometry_error(g["query_head_dim"], g["query_dtype"])
     comm = None
     if why is None:
-        tokens = _max_tokens(getattr(manager, "max_num_tokens", None))
+        tokens = dropin.max_tokens_for(getattr(manager, "max_num_tokens", None))
         query = {} if query_why else dict(query_dim=g["query_head_dim"], query_dtype=g["query_dtype"])
         comm = dropin.communicator(group, heads, g["output_head_dim"], g["output_dtype"], manager.device,
                                    max_tokens=tokens, **query)

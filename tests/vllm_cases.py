@@ -72,17 +72,17 @@ class Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _entry_point() -> None:
-    """vLLM finds plugins by entry point: where this checkout is not installed (``PYTHONPATH=.``),
-    a metadata folder of our own declares the same one."""
-    if any(e.name == "dcp_a2a" for e in importlib.metadata.entry_points(group="vllm.general_plugins")):
+def entry_point(group: str = "vllm.general_plugins", target: str = "dcp.vllm_plugin:register") -> None:
+    """Frameworks find plugins by entry point: where this checkout is not installed (``PYTHONPATH=.``),
+    a metadata folder of our own declares the same one (``pyproject.toml``'s)."""
+    if any(e.name == "dcp_a2a" for e in importlib.metadata.entry_points(group=group)):
         return
     root = tempfile.mkdtemp(prefix="dcp-ep-")
     atexit.register(shutil.rmtree, root, True)
     info = Path(root) / "dcp_a2a_standin-0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dcp-a2a-standin\nVersion: 0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\ndcp_a2a = dcp.vllm_plugin:register\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\ndcp_a2a = {target}\n")
     sys.path.append(root)
     importlib.invalidate_caches()
 
@@ -99,7 +99,7 @@ def _fresh_vllm(lineage: str, enabled: bool, before_plugins: tuple = ()) -> tupl
     os.environ["STANDIN_VLLM_LINEAGE"] = lineage
     os.environ["DCP_A2A_VLLM"] = "1" if enabled else "0"
     os.environ.pop("VLLM_PLUGINS", None)
-    _entry_point()
+    entry_point()
     records = Records()
     for name in ("dcp", "vllm.dcp_a2a"):
         logging.getLogger(name).addHandler(records)
