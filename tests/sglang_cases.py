@@ -8,7 +8,6 @@ import functools
 import importlib
 import logging
 import os
-import sys
 import types
 from collections import Counter
 
@@ -19,7 +18,7 @@ from dcp import DcpAllToAll
 from dcp import vllm as dropin
 from dcp.reference import chunk_reference, make_inputs, make_queries, max_rel_error
 from tests.rank_cases import TOL
-from tests.vllm_cases import Records, entry_point
+from tests.vllm_cases import Records, count_calls, entry_point
 
 B, LOCAL_HEADS, NOPE, ROPE = 11, 2, 32, 16  # B above max_tokens: the combine runs in chunks
 CAPTURED, WIDTH = [1, 2, 4], 2  # the stand-in runner's capture sizes and tokens per request: max_tokens 8
@@ -75,27 +74,12 @@ def _count_transports(sgl_comm, ps) -> Counter:
     (its combine and gather functions, the group's all-to-all, all-gather, reduce-scatter and
     all-reduce, the fi_a2a workspace and exchange), wrapping each where SGLang's code looks it up."""
     calls: Counter = Counter()
-
-    def counted(owner, name, label):
-        original = getattr(owner, name)
-
-        @functools.wraps(original)  # (the plugin reads the original's parameters)
-        def wrapper(*args, **kwargs):
-            calls[label] += 1
-            return original(*args, **kwargs)
-
-        setattr(owner, name, wrapper)
-        if isinstance(owner, types.ModuleType):  # and every module that imported it by name
-            for module in list(sys.modules.values()):
-                namespace = getattr(module, "__dict__", None)
-                if isinstance(namespace, dict) and namespace.get(name) is original:
-                    namespace[name] = wrapper
-
+    counted = functools.partial(count_calls, calls)
     counted(DcpAllToAll, "lse_reduce", "ours: combine")
     counted(DcpAllToAll, "all_gather_heads", "ours: query gather")
     for name in ("dcp_a2a_lse_reduce", "cp_lse_ag_out_rs_mla", "all_gather_q_for_mla_decode",
                  "_dcp_fi_a2a_lse_reduce", "init_fi_a2a_workspace"):
-        counted(sgl_comm, name, f"SGLang: {name}")
+        counted(sgl_comm, name, f"SGLang: {name}", importers=True)
     for name in ("all_to_all_single", "_all_to_all_single", "all_gather", "all_gather_into_tensor",
                  "reduce_scatter_along_dim", "all_reduce"):
         counted(ps.GroupCoordinator, name, f"SGLang: GroupCoordinator.{name}")

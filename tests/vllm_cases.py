@@ -388,22 +388,30 @@ def real_vllm_layer(state, seed: int) -> dict:
             "vllm": vllm.__file__, "calls": dict(calls)}
 
 
+def count_calls(calls: Counter, owner, name: str, label: str, importers: bool = False) -> None:
+    """Wrap ``owner.name`` so that each call adds 1 to ``calls[label]``; with ``importers`` (``owner``
+    a module), also in every module that imported the function by name."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)  # (the plugins read the original's parameters)
+    def wrapper(*args, **kwargs):
+        calls[label] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+    if importers and isinstance(owner, types.ModuleType):
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if isinstance(namespace, dict) and namespace.get(name) is original:
+                namespace[name] = wrapper
+
+
 def _count_transports(vdcp, ps) -> Counter:
     """Counts every call into this package's two collectives and into each of vLLM's own DCP
     transports (its group all-gather, the packed NCCL all-to-all, AG+RS and AG+AR, the direct
     symmetric-memory workspaces), by wrapping them where vLLM's code looks them up."""
     calls: Counter = Counter()
-
-    def counted(owner, name, label):
-        original = getattr(owner, name)
-
-        @functools.wraps(original)  # (the plugin reads the original's parameters)
-        def wrapper(*args, **kwargs):
-            calls[label] += 1
-            return original(*args, **kwargs)
-
-        setattr(owner, name, wrapper)
-
+    counted = functools.partial(count_calls, calls)
     counted(DcpAllToAll, "lse_reduce", "ours: combine")
     counted(DcpAllToAll, "all_gather_heads", "ours: query gather")
     counted(ps.GroupCoordinator, "all_gather", "vLLM: GroupCoordinator.all_gather")
