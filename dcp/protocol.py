@@ -230,6 +230,12 @@ def status_error(words: "ctypes.Array", world: int, rank: int, channel: int) -> 
         *(gave_up_on(t) or () for r, t in announced.items() if r != rank)))
     where = f"rank {rank}, channel {channel}, epoch {epoch}, tile {tile}; {POISONED_NOTE}"
     if code == STATUS_TIMEOUT:
+        # The kernel reads the flags again to record them, after its wait gave up: a rank that was
+        # absent may have announced another call by then (a faster rank's next call, on a channel
+        # it skipped). It was not in this call either.
+        missing = sorted(set(missing).union(
+            r for r, t in announced.items()
+            if r != rank and t not in (own, TAG_NONE) and gave_up_on(t) is None))
         return DcpTimeoutError(
             f"DCP all-to-all timed out waiting for rank(s) {missing} ({where}); the rows of that "
             "call were written as NaN", missing)

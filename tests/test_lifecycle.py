@@ -73,6 +73,25 @@ def test_status_texts_name_what_each_rank_did():
     assert describe_tag(TAG_GAVE_UP - 0b101) == "timed out waiting for rank(s) [0, 2]"
 
 
+def test_a_timeout_names_a_rank_that_announced_another_call_after_the_wait():
+    """The words rank 1 recorded in CI (sizes routed apart, test_auto): its wait gave up on rank 0,
+    whose next call (announcing its earlier failure) arrived before the kernel recorded the flags,
+    and rank 2 retracted the call having seen the same. Rank 0 is named; rank 2, who was there, not."""
+    from dcp.kernels import STATUS_TIMEOUT, STATUS_WORDS, TAG_GAVE_UP, TAG_NONE, TAG_POISONED
+    from dcp.protocol import call_tag, status_error
+
+    own = call_tag(0, 2)
+    words = [0] * STATUS_WORDS
+    words[:4] = [STATUS_TIMEOUT, 1, 0, own]
+    words[12:15] = [TAG_POISONED, own, TAG_GAVE_UP]
+    err = status_error(words, 3, 1, 0)
+    assert err.missing_ranks == [0] and "waiting for rank(s) [0] (rank 1," in str(err), err
+    words[12] = call_tag(0, 3)  # or a call of another size
+    assert status_error(words, 3, 1, 0).missing_ranks == [0]
+    words[4], words[12] = 1, TAG_NONE  # the plain case: nothing of the call came from rank 0
+    assert status_error(words, 3, 1, 0).missing_ranks == [0]
+
+
 def test_peer_death_is_reported_and_survivors_close():
     w = World(3)
     try:
