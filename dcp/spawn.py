@@ -1,4 +1,4 @@
-"""Local rank processes for tests and benchmarks: spawned once, driven by function name.
+"""Local rank processes for tests and benchmarks: started once, driven by function name.
 
 Each rank is a process (ranks on streams of one process can deadlock: docs/design.md, section 2).
 Every call has a timeout; on timeout or close the processes are killed, so no test leaves one behind.
@@ -69,7 +69,7 @@ def _serve(rank: int, world: int, port: int, conn, device: str, env: dict, pg_ba
 
 def _context(device: str):
     """CPU ranks fork from a server that has imported torch: a rank starts in about 0.03 s instead
-    of the 1.7 s a fresh interpreter takes to import it (the CPU tier starts hundreds of ranks).
+    of the 1.7 s a fresh interpreter takes to import it (the tests start a group per size in each module).
     CUDA ranks are spawned, fresh processes as on a real server."""
     if device == "cuda":
         return mp.get_context("spawn")
