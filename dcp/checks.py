@@ -38,11 +38,6 @@ def combine_geometry_error(world: int, num_heads: int, head_dim: int, dtype: tor
     return None
 
 
-# What every rank's constructor must agree on, in the order DcpAllToAll gathers it.
-GEOMETRY_FIELDS = ("max_tokens", "num_heads", "head_dim", "dtype", "channels", "world", "backend", "num_warps",
-                   "query_dim", "query_dtype", "DCP_A2A_MEASURE")
-
-
 def _ranks(ranks: list) -> str:
     """``rank 2``, ``ranks 0, 3``, ``ranks 1-7`` (runs of three or more as a range)."""
     runs: list = []
@@ -56,14 +51,14 @@ def _ranks(ranks: list) -> str:
 
 
 def geometry_disagreement(geometries: list) -> str:
-    """The constructor's error where ranks' geometries differ (one tuple of ``GEOMETRY_FIELDS`` per
-    rank): each field that differs, with the ranks that have each value, e.g. ``head_dim: rank 0
-    has 64, rank 1 has 128``."""
+    """The constructor's error where ranks' geometries differ (per rank, a dict of the fields every
+    rank's constructor must agree on): each field that differs, with the ranks that have each value,
+    e.g. ``head_dim: rank 0 has 64, rank 1 has 128``."""
     parts = []
-    for i, name in enumerate(GEOMETRY_FIELDS):
+    for name in geometries[0]:
         by_value: dict = {}
         for rank, geometry in enumerate(geometries):
-            by_value.setdefault(geometry[i], []).append(rank)
+            by_value.setdefault(geometry.get(name), []).append(rank)
         if len(by_value) > 1:
             parts.append(f"{name}: " + ", ".join(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {value}"
                                                  for value, ranks in by_value.items()))

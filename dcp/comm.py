@@ -119,8 +119,9 @@ class DcpAllToAll:
         self.tracing = os.environ.get("DCP_A2A_TRACE", "0") not in ("", "0")
         measure = os.environ.get("DCP_A2A_MEASURE", "")
         self._measures = measure not in ("", "0") if measure else self.device.type == "cuda"
-        geometry = (self.max_tokens, self.num_heads, self.head_dim, str(dtype), self.channels, self.world,
-                    requested, self.num_warps, self.query_dim, str(self.query_dtype), self._measures)
+        geometry = dict(max_tokens=self.max_tokens, num_heads=self.num_heads, head_dim=self.head_dim, dtype=str(dtype),
+                        channels=self.channels, world=self.world, backend=requested, num_warps=self.num_warps,
+                        query_dim=self.query_dim, query_dtype=str(self.query_dtype), DCP_A2A_MEASURE=self._measures)
         facts = all_gather(group, (geometry, error, where, self.device.index), "DcpAllToAll construction")
         agree(group, facts[self.rank][1], "DcpAllToAll construction", errors=[f[1] for f in facts])
         if any(f[0] != geometry for f in facts):

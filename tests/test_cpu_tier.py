@@ -195,11 +195,11 @@ def test_a_geometry_mismatch_names_the_fields_that_differ(worlds):
 
 
 def test_geometry_disagreement_groups_ranks_by_value():
-    from dcp.checks import GEOMETRY_FIELDS, geometry_disagreement
+    from dcp.checks import geometry_disagreement
 
-    base = tuple(range(len(GEOMETRY_FIELDS)))
+    base = dict(max_tokens=8, num_heads=16, head_dim=2, dtype="torch.bfloat16", DCP_A2A_MEASURE=10)
     geometries = [base] * 8
-    geometries[3] = base[:2] + (128,) + base[3:-1] + (True,)
+    geometries[3] = dict(base, head_dim=128, DCP_A2A_MEASURE=True)
     text = geometry_disagreement(geometries)
     assert text.endswith(": head_dim: ranks 0-2, 4-7 have 2, rank 3 has 128; "
                          "DCP_A2A_MEASURE: ranks 0-2, 4-7 have 10, rank 3 has True"), text
