@@ -444,20 +444,21 @@ def lse_alltoall_kernel(
             timeout = tl.where(_call_failed(status, e), 0, timeout).to(tl.int64)
             start = _now(t)
             tile_code = 0
+            absent = code * 0  # bit s: source s's flag of this tile does not carry this epoch (yet)
             while tile_code == 0:
-                n_arrived = 0
+                absent = code * 0
                 n_same = 0
                 n_gave_up = 0
                 for s in tl.static_range(N):
                     got = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL) + t,
                                         GPU_SCOPE)
-                    n_arrived += ((got & 0xFFFFFFFF) == e).to(tl.int32)
+                    absent |= ((got & 0xFFFFFFFF) != e).to(tl.int32) << s
                     n_same += (got == want).to(tl.int32)
                     n_gave_up += _gave_up(got, e).to(tl.int32)
                 waited = _now(t) - start
                 # (a source that gave up on this call fails it at once, as a timeout)
                 tile_code = tl.where(n_same == N, -1, tl.where(n_gave_up > 0, _TIMEOUT, tl.where(
-                    n_arrived == N, _MISMATCH, tl.where(waited > timeout, _TIMEOUT, 0))))
+                    absent == 0, _MISMATCH, tl.where(waited > timeout, _TIMEOUT, 0))))
                 # A sender of another call (another B, or a call that moves no data) may never
                 # publish this tile; its tile 0 always exists, so it shows there. Looked at only
                 # once the wait is not short, so the fast spin reads nothing else.
@@ -473,12 +474,11 @@ def lse_alltoall_kernel(
                             tile_code = _MISMATCH
                 _pause()
             if (tile_code > 0) & (code == 0):
-                _record_failure(status, flags, ctl, slot, t, e, tag, tile_code, N, TILES_MAX, FLAG_OFF, GPU_SCOPE,
-                                PULL)
-                for s in tl.static_range(N):  # the sources this program missed, for its retraction
-                    got = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL) + t,
-                                        GPU_SCOPE)
-                    missed |= ((got & 0xFFFFFFFF) != e).to(tl.int32) << s
+                # Missing: the sources absent at the wait's last read (read again, a late one
+                # that arrived since would be named by nobody); also for the retraction.
+                _record_failure(status, flags, ctl, slot, t, e, tag, tile_code, absent, N, TILES_MAX, FLAG_OFF,
+                                GPU_SCOPE, PULL)
+                missed = absent
             code = tl.where(code > 0, code, tile_code)
             # After one failed wait the call is lost: later tiles look once and give up.
             timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
@@ -544,10 +544,11 @@ def _gave_up(flag, e):
     return ((flag & 0xFFFFFFFF) == e) & (g <= _TAG_GAVE_UP) & (g > _TAG_GAVE_UP - 256)
 
 
-def _record_failure(status, flags, ctl, slot, t, e, tag, code, N: tl.constexpr, TILES_MAX: tl.constexpr,
+def _record_failure(status, flags, ctl, slot, t, e, tag, code, absent, N: tl.constexpr, TILES_MAX: tl.constexpr,
                     FLAG_OFF: tl.constexpr, GPU_SCOPE: tl.constexpr, PULL: tl.constexpr):
     """Leave the first failure of a channel where the host reads it: which sources were missing at
-    tile t, and the tag each announced (TAG_NONE: nothing of this call arrived from it)."""
+    tile t (``absent``, bit s: source s, as the wait last read them), and the tag each announced
+    (read now; TAG_NONE: nothing of this call arrived from it)."""
     if tl.load(status, volatile=True) == 0:  # the first failure is kept: the channel is poisoned
         tl.store(status + 1, e)
         tl.store(status + 2, t)
@@ -557,7 +558,7 @@ def _record_failure(status, flags, ctl, slot, t, e, tag, code, N: tl.constexpr, 
             got = _load_relaxed(src_flags + t, GPU_SCOPE)
             first = _load_relaxed(src_flags, GPU_SCOPE)
             got_now = (got & 0xFFFFFFFF) == e
-            tl.store(status + 4 + s, (~got_now).to(tl.int32))
+            tl.store(status + 4 + s, (absent >> s) & 1)
             first_now = ((first & 0xFFFFFFFF) == e) | ((first >> 32) == _TAG_POISONED)
             announced = tl.where(got_now, got >> 32, tl.where(first_now, first >> 32, _TAG_NONE))
             tl.store(status + 12 + s, announced.to(tl.int32))

@@ -486,6 +486,28 @@ def expect_timeout(state, key: str, B: int = 2) -> dict:
     raise AssertionError("a call with absent peers returned without DcpTimeoutError")
 
 
+def timeout_with_a_late_flag(state, key: str, B: int = 2) -> dict:
+    """``expect_timeout`` on the CPU tier with the race planted in the real kernel: as this rank's
+    wait, given up on rank 1, records the failure, rank 1's flag of this very call lands (a late
+    peer's, with this call's tag). The record must still name rank 1."""
+    import triton.language as tl
+
+    from dcp.kernels import build_kernels
+
+    scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
+    record = scope["_record_failure"]
+
+    def late(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest):
+        tl.store(flags + TILES_MAX + t, (tag.to(tl.int64) << 32) | e.to(tl.int64))  # source 1, tile t
+        return record(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest)
+
+    scope["_record_failure"] = late
+    try:
+        return expect_timeout(state, key, B)
+    finally:
+        scope["_record_failure"] = record
+
+
 def expect_mismatch(state, key: str, B: int) -> str:
     from dcp import DcpMismatchError
 

@@ -92,6 +92,18 @@ def test_a_timeout_names_a_rank_that_announced_another_call_after_the_wait():
     assert status_error(words, 3, 1, 0).missing_ranks == [0]
 
 
+def test_a_timeout_names_a_peer_whose_flag_lands_while_the_failure_is_recorded(worlds):
+    """The race of a late peer: its flag, with this call's own tag, lands after the wait's last read
+    and before the kernel records the failure (planted in the interpreted kernel). The rank is named
+    from what the wait last read, not from a second read that finds it present."""
+    w = worlds(2)
+    w.run(rc.make_comm, "late", max_tokens=4, num_heads=4, head_dim=16, timeout_s=SHORT_TIMEOUT_S)
+    res = w.run(rc.timeout_with_a_late_flag, "late", ranks=[0], timeout=120)[0]
+    assert res["missing"] == [1], res
+    assert res["message"].startswith("DCP all-to-all timed out waiting for rank(s) [1] (rank 0, "), res
+    w.run(rc.close_comm, "late")
+
+
 def test_peer_death_is_reported_and_survivors_close():
     w = World(3)
     try:
