@@ -8,7 +8,6 @@ import ctypes
 import threading
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from triton import knobs
@@ -108,6 +107,8 @@ class _Launcher:
             if not _INTERPRETER.acquire(blocking=False):
                 raise DcpError("another thread of this process is running a call on the CPU: Triton's "
                                "interpreter runs one kernel at a time, so CPU calls cannot run concurrently")
+            import numpy as np  # (here: Triton's interpreter needs it; the GPU path and the doctor do not)
+
             try:
                 with np.errstate(all="ignore"):  # the interpreter also evaluates masked-off lanes
                     self.kernel[(grid,)](*tensors, *scalars, num_warps=self.options["num_warps"], **kwargs)

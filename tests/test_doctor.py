@@ -144,3 +144,16 @@ def test_the_doctor_and_the_benchmark_take_the_same_dtype_names():
         assert doctor.parser().parse_args(["--dtype", short]).dtype == name
         assert bench_parser(False, 0).parse_args(["--dtype", short]).dtype == name
     assert bench_parser(False, 0).parse_args(["--query-dtype", "fp8"]).query_dtype == "float8_e4m3fn"
+
+
+def test_import_and_doctor_start_where_numpy_is_not_installed():
+    """The serving route installs this package alone (``pip install --no-deps .``) into an
+    environment that may hold torch and Triton but no numpy: ``import dcp`` and the doctor must
+    start there (issue 45). numpy is made unimportable as it is where it is missing."""
+    code = ("import sys, runpy; sys.modules['numpy'] = None\n"
+            "import dcp, dcp.protocol, dcp.plan\n"
+            "assert sys.modules['numpy'] is None\n"
+            "sys.argv = ['dcp.doctor']; runpy.run_module('dcp.doctor', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"versions: torch {torch.__version__}, triton "), run.stdout
