@@ -26,6 +26,7 @@ host's pace.
 """
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -35,14 +36,14 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 
 import torch
 
 from dcp.checks import DTYPE_NAMES, OUT_DTYPE_NAMES, dtype_name
 from dcp.protocol import ChannelLayout
-from dcp.spawn import World, mps_daemon
 from dcp.kernels import MAX_PEERS
-from dcp.spawn import RankError
+from dcp.spawn import RankError, World, mps_daemon, mps_running
 from . import ranks
 from .plot import BASELINES, missing
 
@@ -125,8 +126,9 @@ def copy_rate() -> float:
 
 
 def floor_bytes(n: int, B: int, hn: int, d: int, shared_device: bool, size: int = 2) -> int:
-    """Bytes one rank must move (read input, write packed rows, read them back, write output) for
-    values of ``size`` bytes; all ranks together where they share one device's memory."""
+    """Bytes one rank's combine moves (read its input, write the packed rows, read them back, write
+    its output; pushed or pulled alike) for values of ``size`` bytes; all ranks together where they
+    share one device's memory."""
     H, row = hn * n, ChannelLayout(n, hn, d, B, value_words=size // 2).row_elems
     per_rank = B * H * (size * d + 4) + 2 * B * H * row * 2 + B * hn * d * size
     return per_rank * (n if shared_device else 1)
@@ -159,6 +161,8 @@ FUSED = ["triton", "push", "pull"]  # the fused kernel's transports, as --backen
 
 COLUMN_HELP = """columns (a column no row fills is left out; - : no value for that row):
   N          ranks in the group
+  sliced     yes: ranks shared a GPU without MPS (--no-mps, or MPS could not start), time-sliced: the
+             time is the GPU switching between processes, not the transport's; no floor, no baseline
   backend    triton or push, pull, auto (DcpAllToAll's backend=), nccl (the reference path; gloo
              where the group runs gloo)
   op         combine (lse_reduce), gather (all_gather_heads), layer (a gather then a combine)
@@ -173,51 +177,85 @@ COLUMN_HELP = """columns (a column no row fills is left out; - : no value for th
   mark       one clock mark's own time (each step includes one)
   loop       nccl-tests' time: a second loop's mean, events only at its ends
   algbw      size / med; busbw: algbw * (N - 1) / N (GPUs only)
-  floor      the bytes every rank must move at this GPU's copy rate; %floor: floor / med
+  floor      the bytes the kernel moves at this GPU's copy rate (below); %floor: floor / med
   host hloop host time per eager call, per timed step and over the second loop (GPUs only)
   nccl x     the reference path's med at the same point, and its time over this row's (x > 1: faster)
   held       yes: every timed call was queued behind one sleeping kernel (yes/k: k at a time)
   err        largest relative error against the float64 reference, checked before timing
              (bf16 tolerance 1.6e-2; 0: bit-exact, as the gather must be)"""
+FLOOR_HELP = """
+
+floor: the bytes one call moves as the kernel moves them, at the device-to-device copy rate measured
+at the start of the run (1 GiB copies, bytes read plus written), times N where the ranks share one
+GPU. A combine reads its input [B, H, D] and LSEs, writes the packed rows [B, H, D + LSE], reads them
+back and writes its [B, H/N, D]; a gather reads its [B, H/N, Dq] rows, writes them to N peers (pushed)
+or once (pulled), reads the N sources' rows and writes [B, H, Dq]; a layer both. No call beats it."""
 
 
-def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
+def default_worlds(gpus: int) -> list:
+    """The group sizes a run measures unless told: DCP3 and DCP6 (the sizes no other fast path
+    covers), on GPUs of their own wherever there are enough, and the GPU count (at most 8). With
+    fewer than 3 GPUs (or none: the CPU tier), 3 and 6 with ranks sharing them."""
+    if gpus < 3:
+        return ([gpus] if gpus == 2 else []) + [3, 6]
+    return sorted({n for n in (3, 6) if n <= gpus} | {min(gpus, MAX_PEERS)})
+
+
+def defaults(cuda: bool, gpus: int, full: bool) -> dict:
+    """The run a plain command makes. With a GPU: the user's question (MLA's geometry, graphs of 8,
+    the combine with vLLM's batch metadata, the gather and the layer, auto beside NCCL) in about a
+    minute; ``--full``, the long sweep. Without one: the CPU tier's demo, --full or not."""
+    if not cuda:
+        return dict(world_size=default_worlds(0), batch=[1, 4, 16], heads_per_rank=2, head_dim=[64], query_dim=32,
+                    backends=["triton"], modes=["eager"], metadata=False, iters=5)
+    if full:
+        return dict(world_size=default_worlds(gpus), batch=[1 << i for i in range(10)], heads_per_rank=16,
+                    head_dim=[512, 128], query_dim=576, backends=["triton", "nccl"], modes=MODES, metadata=False,
+                    iters=200)
+    return dict(world_size=default_worlds(gpus), batch=[1, 8, 64, 512], heads_per_rank=16, head_dim=[512],
+                query_dim=576, backends=["auto", "nccl"], modes=["graph8"], metadata=True, iters=100)
+
+
+def parser(cuda: bool, gpus: int, full: bool = False) -> argparse.ArgumentParser:
+    d = defaults(cuda, gpus, full)
     p = _Parser(prog=command_name(), description=__doc__.split("\n")[0], formatter_class=_Help,
-                epilog="Defaults are this machine's (with a GPU the sweep is larger). Without a GPU the kernels\n"
+                epilog="Defaults are this machine's: with a GPU, the question a user asks (DCP3 and DCP6 against\n"
+                       "NCCL at MLA's geometry, about a minute), --full the long sweep. Without a GPU the kernels\n"
                        "run under Triton's interpreter: the run shows that the real kernels and protocol run and\n"
-                       "are exact, then the GPU results this repository keeps.\n\n" + COLUMN_HELP)
-    p.add_argument("--world-size", type=_group_size, nargs="+", metavar="N",
-                   default=[gpus] if gpus > 1 else [3, 6],
+                       "are exact, then the GPU results this repository keeps.\n\n" + COLUMN_HELP + FLOOR_HELP)
+    p.add_argument("--full", action="store_true",
+                   help="the long sweep: every power-of-two B to 512, D 512 and 128, every mode, triton beside nccl "
+                        "(without a GPU: the CPU demo)")
+    p.add_argument("--world-size", type=_group_size, nargs="+", metavar="N", default=d["world_size"],
                    help=f"ranks in the group, a sweep per value; above {MAX_PEERS} only the nccl backend runs")
-    p.add_argument("--batch", type=_positive, nargs="+", metavar="B",
-                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if cuda else [1, 4, 16],
+    p.add_argument("--batch", type=_positive, nargs="+", metavar="B", default=d["batch"],
                    help="tokens per call, a point per value")
-    p.add_argument("--heads-per-rank", type=_positive, default=16 if cuda else 2, metavar="H",
+    p.add_argument("--heads-per-rank", type=_positive, default=d["heads_per_rank"], metavar="H",
                    help="attention heads per rank; the call combines N times as many")
-    p.add_argument("--head-dim", type=_positive, nargs="+", default=[512, 128] if cuda else [64], metavar="D",
+    p.add_argument("--head-dim", type=_positive, nargs="+", default=d["head_dim"], metavar="D",
                    help="head dimension, a multiple of 8 up to 1024; a sweep per value")
     p.add_argument("--dtype", type=dtype_name, choices=OUT_DTYPE_NAMES, default="bfloat16",
                    help="partial outputs' dtype (bf16, fp16, fp32 also do)")
     p.add_argument("--op", nargs="+", choices=OPS, default=OPS, metavar="OP",
                    help="combine (lse_reduce), gather (all_gather_heads, the query all-gather) and/or layer (a "
                         "gather then a combine, as one DCP attention layer runs them)")
-    p.add_argument("--query-dim", type=_positive, default=576 if cuda else 32, metavar="DQ",
+    p.add_argument("--query-dim", type=_positive, default=d["query_dim"], metavar="DQ",
                    help="query head dimension of the gather (vLLM's MLA: 576)")
     p.add_argument("--query-dtype", type=dtype_name, choices=list(DTYPE_NAMES), default="bfloat16",
                    help="query dtype of the gather (bf16, fp16, fp32, fp8 also do)")
-    p.add_argument("--backends", nargs="+", default=["triton", "nccl"] if cuda else ["triton"],
+    p.add_argument("--backends", nargs="+", default=d["backends"],
                    choices=[*FUSED, "auto", "nccl"], metavar="BACKEND",
                    help="triton or push (the fused kernel pushing into peers' buffers), pull (the same kernel, "
                         "each rank reading its rows from its peers' buffers), auto (the transport measured "
                         "fastest for each call size at construction; its plan is printed) and/or nccl (pack, the "
                         "process group's all-to-all, combine; named gloo where the group runs gloo)")
-    p.add_argument("--modes", nargs="+", default=MODES if cuda else ["eager"], choices=MODES, metavar="MODE",
+    p.add_argument("--modes", nargs="+", default=d["modes"], choices=MODES, metavar="MODE",
                    help="eager (plain calls), graph (a CUDA graph of one call), graph8 (a graph of 8 calls, "
                         "like layers); the graph modes need a GPU")
-    p.add_argument("--metadata", action="store_true",
+    p.add_argument("--metadata", action=argparse.BooleanOptionalAction, default=d["metadata"],
                    help="pass every combine vLLM's batch metadata, as its MLA layers do: a decode batch's "
                         "seq_lens (about a quarter of each rank's shards empty) and query_start_loc")
-    p.add_argument("--iters", type=_positive, default=200 if cuda else 5, help="timed calls per point")
+    p.add_argument("--iters", type=_positive, default=d["iters"], help="timed calls per point")
     p.add_argument("--num-warps", type=int, choices=[1, 2, 4, 8, 16], default=None, metavar="W",
                    help="fixed warps per program, 1 2 4 8 or 16 (default: chosen by call size)")
     p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
@@ -225,7 +263,9 @@ def parser(cuda: bool, gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--timer", choices=["clock", "events"], default="clock",
                    help="mark between timed steps on a GPU: a kernel storing the GPU clock (in graph modes, the "
                         "graph's first node), or a CUDA event")
-    p.add_argument("--mps", action="store_true", help="start the CUDA MPS daemon for the run")
+    p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=True,
+                   help="where ranks share a GPU, start the CUDA MPS daemon for the run (unless one runs) so that "
+                        "they run at once; --no-mps: they run time-sliced, and their rows say so")
     p.add_argument("--out", default="results", help="folder for results.csv, results.json (appended to) and the plots")
     return p
 
@@ -235,8 +275,9 @@ OPS = ["combine", "gather", "layer"]
 
 def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
     """Per group size: whether its ranks share a GPU, its process group's backend and the backends
-    that can run (decided before any rank is spawned); and a line for each backend left out."""
-    runs, notes = [], []
+    that can run (decided before any rank is spawned); a line for each backend left out; and, per
+    size, why the nccl baseline does not run there (absent where it runs)."""
+    runs, notes, no_baseline = [], [], {}
     for n in worlds:
         shared = cuda and gpus < n  # ranks share a GPU; NCCL refuses two ranks on one GPU
         pg = "gloo" if shared or not cuda else "nccl"
@@ -247,8 +288,30 @@ def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
         if "nccl" in backends and "nccl" not in run:
             notes.append(f"N={n}: nccl not run ({n} ranks share {gpus} GPU(s); NCCL refuses two ranks on one GPU); "
                          f"{rest}")
+            no_baseline[n] = f"not run: {n} ranks share {gpus} GPU(s)"
+        elif "nccl" not in backends:
+            no_baseline[n] = "not run: not in --backends"
         runs.append((n, shared, pg, run))
-    return runs, notes
+    return runs, notes, no_baseline
+
+
+def mps_choice(runs: list, cuda: bool, wanted: bool, env=os.environ) -> tuple:
+    """Whether to start the MPS daemon ("start"), one already serves ("running"), or none ("off"),
+    and the line said before the table where ranks sharing a GPU will run time-sliced."""
+    shared = [n for n, is_shared, *_ in runs if is_shared]
+    if not cuda or not shared:
+        return "off", None
+    if mps_running(env):
+        return "running", None
+    if not wanted:
+        return "off", sliced_note(shared, "--no-mps")
+    return "start", None
+
+
+def sliced_note(sizes: list, why: str) -> str:
+    return (f"{why}: the ranks of N={', '.join(map(str, sizes))} share a GPU without MPS, so the GPU switches "
+            "between their processes: those rows (sliced: yes) time that switching, not the transport, and are "
+            "compared with neither NCCL nor the floor")
 
 
 CPU_BANNER = ("No GPU: the real kernels and protocol run under Triton's interpreter, a process per rank, each "
@@ -257,37 +320,64 @@ CPU_NOTE = ("Every point above matched the reference (err: largest relative erro
             "Its times are the interpreter's, not a transport's.")
 
 
+# Seconds a GPU run spends per group and backend set up (spawn, compile, auto's plan) and per point:
+# the estimate printed before the run (the progress line then gives one from the run's own pace).
+SETUP_S, POINT_S = 12.0, 1.5
+
+
+def _eta(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(time.time() + seconds))
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
-    p = parser(cuda, gpus)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--full", action="store_true")
+    p = parser(cuda, gpus, pre.parse_known_args(argv)[0].full)
     args = p.parse_args(argv)
     if not cuda and set(args.modes) != {"eager"}:
         p.error("--modes graph and graph8 need a GPU (they capture CUDA graphs); without one only eager runs")
     error = geometry_error(args)
     if error:
         p.error(error)
-    runs, notes = plan(args.world_size, args.backends, cuda, gpus)
+    runs, notes, no_baseline = plan(args.world_size, args.backends, cuda, gpus)
     if not any(run for *_, run in runs):
         p.error("nothing to run: " + "; ".join(notes))
     if not cuda:
         print(CPU_BANNER)
     for note in notes:
         print(note)
+    mps, mps_note = mps_choice(runs, cuda, args.mps)
+    tty = sys.stdout.isatty()
+    total = (sum(len(run) for *_, run in runs) * len(args.head_dim) * len(args.batch) * len(args.modes)
+             * len(args.op))
+    setups = sum(len(run) for *_, run in runs) * len(args.head_dim)
+    if cuda:
+        guess = setups * SETUP_S + total * POINT_S
+        print(f"{total} points in {len(runs)} group size(s): about {guess:.0f} s, done near {_eta(guess)}", flush=True)
 
-    rate = copy_rate() if cuda else float("nan")
-    info = provenance(argv)
-    info["copy_rate_Bps"] = rate
     rows = []
     device = "cuda" if cuda else "cpu"
     seed = int.from_bytes(os.urandom(4), "little")
-    mps_on = cuda and (args.mps or bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")))
-    total = (sum(len(run) for *_, run in runs) * len(args.head_dim) * len(args.batch) * len(args.modes)
-             * len(args.op))
     where = ""
-    try:
-        with mps_daemon(args.mps and cuda):
+    start = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if mps == "start":
+            try:
+                stack.enter_context(mps_daemon(True))
+            except (OSError, subprocess.SubprocessError) as exc:
+                mps = "off"
+                mps_note = sliced_note([n for n, shared, *_ in runs if shared],
+                                       f"MPS could not be started ({exc})")
+        if mps_note:
+            print(mps_note)
+        mps_on = mps != "off"
+        rate = copy_rate() if cuda else float("nan")
+        info = provenance(argv)
+        info["copy_rate_Bps"] = rate
+        try:
             for n, shared, pg, run in runs:
                 if not run:
                     continue
@@ -302,7 +392,7 @@ def main(argv=None) -> None:
                                             args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
                                             args.timer, args.dtype, args.query_dim, args.query_dtype)[0]
                             if tilings["plan"]:
-                                print(f"\rN={n} D={d} {tilings['plan']}", flush=True)
+                                print(f"{chr(13) if tty else ''}N={n} D={d} {tilings['plan']}", flush=True)
                             for B in args.batch:
                                 for op in args.op:
                                     for mode in args.modes:
@@ -312,22 +402,21 @@ def main(argv=None) -> None:
                                         rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
                                                          name, rate, shared, cuda, *tilings[op][B - 1],
                                                          args.dtype, args.iters, op, args.query_dim,
-                                                         args.query_dtype, args.metadata))
-                                    done = len(rows) * 30 // total
-                                    print(f"\r[{'#' * done}{'.' * (30 - done)}] {len(rows)}/{total} {where}: "
-                                          f"{rows[-1]['median_us']:.1f} us   ", end="", flush=True)
+                                                         args.query_dtype, args.metadata,
+                                                         tilings["gather_pulled"][B - 1]))
+                                        _progress(rows, total, where, start, tty)
                 finally:
                     w.close()
-    except RankError as exc:
-        if rows:
-            print()  # ends the progress line
-        raise SystemExit(f"{p.prog}: error at {where}: {rank_failure(exc)}")
+        except RankError as exc:
+            if rows and tty:
+                print()  # ends the progress line
+            raise SystemExit(f"{p.prog}: error at {where}: {rank_failure(exc)}")
     _fill_speedups(rows)
-    print()
+    if tty:
+        print()
     os.makedirs(args.out, exist_ok=True)
-    _append_csv(os.path.join(args.out, "results.csv"),
-                [{**r, "date": info["date"], "git_commit": info["git_commit"]} for r in rows])
-    path = os.path.join(args.out, "results.json")
+    csv_path, path = os.path.join(args.out, "results.csv"), os.path.join(args.out, "results.json")
+    _append_csv(csv_path, [{**r, "date": info["date"], "git_commit": info["git_commit"]} for r in rows])
     runs_json = []
     if os.path.exists(path):
         with open(path) as f:
@@ -338,14 +427,60 @@ def main(argv=None) -> None:
     try:
         from .plot import plot
 
-        print("plots:", ", ".join(plot(path, args.out)))
+        plots = "plot " + ", ".join(plot(path, args.out))
     except ImportError:
-        print("plots: not drawn (matplotlib missing: pip install matplotlib)")
+        plots = "no plot (matplotlib missing: pip install matplotlib)"
     print(format_table(rows))
-    if not cuda:
+    if cuda:
+        print()
+        print(summary(rows, no_baseline))
+    else:
         print(CPU_NOTE)
         print()
         print(kept_results())
+        print()
+    print(f"Written: {csv_path} and {path} (rows appended), {plots}")
+
+
+def _progress(rows: list, total: int, where: str, start: float, tty: bool) -> None:
+    """One line per point without a terminal (a log), else one line redrawn; with the finish time
+    the run's pace so far gives."""
+    left = (time.monotonic() - start) / len(rows) * (total - len(rows))
+    text = f"{len(rows)}/{total} {where}: {rows[-1]['median_us']:.1f} us" + (
+        f", done near {_eta(left)}" if len(rows) < total else "")
+    if tty:
+        done = len(rows) * 30 // total
+        print(f"\r[{'#' * done}{'.' * (30 - done)}] {text}   ", end="", flush=True)
+    else:
+        print(text, flush=True)
+
+
+def summary(rows: list, no_baseline: dict) -> str:
+    """One short table per group size: each of our rows (at the first head dim, in graph8 where it
+    ran, else the first mode) beside the baseline, the speedup and the % of the floor."""
+    if not rows:
+        return ""
+    mode = "graph8" if any(r["mode"] == "graph8" for r in rows) else rows[0]["mode"]
+    d = rows[0]["head_dim"]
+    ours = [r for r in rows if r["backend"] not in BASELINES and r["mode"] == mode and r["head_dim"] == d]
+    baseline = next((r["backend"] for r in rows if r["backend"] in BASELINES), "nccl")
+    out = []
+    for n in dict.fromkeys(r["world"] for r in ours):
+        sel = [r for r in ours if r["world"] == n]
+        width = max(len(no_baseline.get(n, "")), 8)
+        meta = any(r.get("metadata") for r in sel)
+        lines = [f"N={n}, {mode}, D = {d}, Dq = {sel[0]['query_dim']}"
+                 + (", the combines with vLLM's batch metadata" if meta else "") + ":",
+                 f"  {'op':7} {'B':>4} {'backend':7} {'us':>8} {baseline + ' us':>{width}} {'x':>5} {'%floor':>6}"]
+        for r in sel:
+            base = (f"{r['baseline_us']:.1f}" if not missing(r["baseline_us"])
+                    else no_baseline.get(n, "not run"))
+            frac = "sliced" if r.get("timesliced") else "-" if missing(r["floor_frac"]) else f"{100 * r['floor_frac']:.0f}"
+            x = "-" if missing(r["speedup"]) else f"{r['speedup']:.2f}"
+            lines.append(f"  {r['op']:7} {r['B']:>4} {r['backend']:7} {r['median_us']:>8.1f} {base:>{width}} {x:>5} "
+                         f"{frac:>6}")
+        out.append("\n".join(lines))
+    return "Summary (us: the slowest rank's median per call; x: the baseline's time over ours):\n" + "\n".join(out)
 
 
 def geometry_error(args: argparse.Namespace):
@@ -381,7 +516,7 @@ def predates_protocol(commit: str, date: str, repo: str = os.path.dirname(RESULT
 
 
 def kept_results(folder: str = RESULTS) -> str:
-    """The GPU results this checkout keeps (each folder's last run, its graph-of-8 rows), each with
+    """The GPU results this checkout keeps (each folder's runs of its last commit, their graph-of-8 rows), each with
     its machine, commit, date and versions, and whether it predates the current protocol; in an
     installed copy, which has none, one line saying where they are."""
     if not os.path.isdir(folder):
@@ -395,11 +530,13 @@ def kept_results(folder: str = RESULTS) -> str:
         if not os.path.exists(path):
             continue
         with open(path) as f:
-            run = json.load(f)[-1]
+            kept = json.load(f)
+        prov = kept[-1]["provenance"]
         keys = {key for *_, key, _ in COLUMNS}  # (rows of older runs lack some columns)
-        prov = run["provenance"]
-        rows = [{**dict.fromkeys(keys), "op": "combine", "query_dim": r["head_dim"], **r} for r in run["rows"]
-                if r["mode"] == "graph8"]
+        # The last run and those of its commit before it (a sweep and its --metadata pass).
+        rows = [{**dict.fromkeys(keys), "op": "combine", "query_dim": r["head_dim"], **r}
+                for run in kept if run["provenance"]["git_commit"] == prov["git_commit"]
+                for r in run["rows"] if r["mode"] == "graph8"]
         if not rows:
             continue
         commit, date = prov["git_commit"], prov["date"]
@@ -459,15 +596,18 @@ def _append_csv(path: str, rows: list) -> None:
         writer.writerows(old + rows)
 
 
-def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, shared: bool, size: int = 2) -> tuple:
+def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, shared: bool, size: int = 2,
+             gather_pulled: bool = False) -> tuple:
     """(size, floor bytes) of one call of ``op`` (partial outputs of ``size`` bytes). size, as
     nccl-tests counts: the combine's is the bytes one rank sends (the packed [N, B, H/N, D] values
     with their fp32 LSE, an all-to-all); the gather's the bytes of its [B, H, Dq] result (an
-    all-gather's total); a layer's both."""
+    all-gather's total); a layer's both. The floor counts the bytes as the kernel moves them, so no
+    call beats it: a pushed gather writes its rows into N peers' slots, a pulled one (or the
+    layer's gather, where pulled) once into its own."""
     combine = (n * B * hn * (d * size + 4), floor_bytes(n, B, hn, d, shared, size))
-    out = B * hn * n * dq * q_size
-    # read this rank's rows, write them to N slots, read N sources' rows back, write the result
-    gather = (out, (B * hn * dq * q_size + 3 * out) * (n if shared else 1))
+    rows, out = B * hn * dq * q_size, B * hn * n * dq * q_size
+    # read this rank's rows, write them (to N slots, or once), read N sources' rows, write the result
+    gather = (out, (2 * rows + 2 * out if gather_pulled else rows + 3 * out) * (n if shared else 1))
     if op == "combine":
         return combine
     if op == "gather":
@@ -476,13 +616,15 @@ def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, sha
 
 
 def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype, iters,
-         op="combine", query_dim=0, query_dtype="bfloat16", metadata=False) -> dict:
+         op="combine", query_dim=0, query_dtype="bfloat16", metadata=False, gather_pulled=False) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
     size, floor = op_bytes(op, n, B, hn, d, query_dim or d, getattr(torch, query_dtype).itemsize, shared,
-                           getattr(torch, dtype).itemsize)
+                           getattr(torch, dtype).itemsize, gather_pulled)
     nan = float("nan")
-    floor_us = floor / rate * 1e6 if cuda else nan
-    return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, head_dim=d, op=op,
+    sliced = cuda and shared and not mps_on  # the GPU time-slices the ranks' processes
+    floor_us = floor / rate * 1e6 if cuda and not sliced else nan
+    return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, timesliced=sliced or None,
+                head_dim=d, op=op,
                 query_dim=query_dim, query_dtype=query_dtype,
                 metadata=True if metadata and op != "gather" else None,  # (a gather takes none)
                 heads_per_rank=hn, B=B, mode=mode, backend=backend, dtype=dtype, num_warps=num_warps, pdl=pdl,
@@ -534,7 +676,8 @@ def _field(key: str) -> tuple:
 # The table's columns: header ("{baseline}": the baseline's name), unit, width, the row's field
 # (which decides whether the cell has a value) and how the cell is written.
 COLUMNS = [
-    ("N", "", 2, *_field("world")), ("backend", "", 7, *_field("backend")), ("op", "", 7, *_field("op")),
+    ("N", "", 2, *_field("world")), ("sliced", "", 6, "timesliced", lambda r: "yes"),
+    ("backend", "", 7, *_field("backend")), ("op", "", 7, *_field("op")),
     ("meta", "", 4, "metadata", lambda r: "yes"),
     ("D|Dq", "", 7, "head_dim", _dims),
     ("B", "tokens", 4, *_field("B")), ("mode", "", 6, *_field("mode")), ("size", "bytes", 9, *_field("size_bytes")),

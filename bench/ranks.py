@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dcp import DcpAllToAll
 from dcp.reference import (chunk_reference, decode_metadata, make_inputs, make_queries, mask_by_metadata,
                            max_rel_error)
-from dcp.kernels import build_kernels
+from dcp.kernels import KIND_GATHER, build_kernels
 
 MARK_PROBES = 100  # marks timed back to back in setup: what one costs
 
@@ -46,7 +46,8 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
           query_dtype: str = "bfloat16") -> dict:
     """Build this rank's communicator; returns, by op, the tiling of each call size from 1 to
     ``max_tokens`` (warps per program, programmatic dependent launch: ``DcpAllToAll.tiling``), and
-    ``auto``'s plan as text (None for the other backends)."""
+    ``auto``'s plan as text (None for the other backends), and whether each size's gather is
+    pulled (its floor counts fewer bytes)."""
     if "comm" in state:
         state.pop("comm").close()
     n = dist.get_world_size()
@@ -64,8 +65,10 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
         timed = held_steps(state, probe, probe.mark, MARK_PROBES, MARK_PROBES * 100)
         state["mark_us"] = max(gather(statistics.median(timed.step_us))) if timed.held else float("nan")
     combine = [comm.tiling(b) for b in range(1, max_tokens + 1)]
-    return {"combine": combine, "gather": [comm.tiling(b, gather=True) for b in range(1, max_tokens + 1)],
-            "layer": combine, "plan": comm.plan and str(comm.plan)}
+    sizes = range(1, max_tokens + 1)
+    pulled = [(comm.plan.transport(KIND_GATHER, b) if comm.plan else comm.backend) == "pull" for b in sizes]
+    return {"combine": combine, "gather": [comm.tiling(b, gather=True) for b in sizes], "layer": combine,
+            "plan": comm.plan and str(comm.plan), "gather_pulled": pulled}
 
 
 def calibrate(state) -> None:

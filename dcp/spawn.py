@@ -156,14 +156,20 @@ class World:
 
 @contextlib.contextmanager
 def mps_daemon(enabled: bool):
-    """Start the CUDA MPS daemon for the run (ranks on one GPU then run concurrently)."""
+    """Start the CUDA MPS daemon for the run (ranks on one GPU then run concurrently). Where it
+    cannot start, raises (OSError, SubprocessError) and leaves the environment as it was."""
     if not enabled:
         yield
         return
     tmp = tempfile.mkdtemp(prefix="dcp-mps-")
     env = {"CUDA_MPS_PIPE_DIRECTORY": tmp, "CUDA_MPS_LOG_DIRECTORY": tmp}
+    try:
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, env={**os.environ, **env}, timeout=30,
+                       capture_output=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.environ.update(env)
-    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
     try:
         yield
     finally:
@@ -171,3 +177,9 @@ def mps_daemon(enabled: bool):
         for k in env:
             os.environ.pop(k, None)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def mps_running(env=os.environ) -> bool:
+    """Whether an MPS daemon this process's CUDA clients would connect to is running: at
+    ``CUDA_MPS_PIPE_DIRECTORY``, else at the default pipe directory."""
+    return os.path.exists(os.path.join(env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control"))

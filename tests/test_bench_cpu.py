@@ -313,7 +313,7 @@ def test_table_leaves_out_the_columns_no_row_fills():
     nan = float("nan")
     row = {key: 1.0 for _, _, _, key, _ in COLUMNS}
     row.update(world=2, backend="triton", op="combine", head_dim=64, B=1, mode="eager", size_bytes=528,
-               steps_per_hold=5, iters=5, metadata=None,
+               steps_per_hold=5, iters=5, metadata=None, timesliced=None,
                mark_us=nan, loop_us=nan, floor_us=nan, floor_frac=nan, host_loop_us=nan, held=None)
     rows = [row, {**row, "backend": "gloo"}, {**row, "world": 3, "baseline_us": nan, "speedup": nan}]
     head, units, *lines = format_table(rows).splitlines()
