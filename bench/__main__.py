@@ -320,9 +320,10 @@ CPU_NOTE = ("Every point above matched the reference (err: largest relative erro
             "Its times are the interpreter's, not a transport's.")
 
 
-# Seconds a GPU run spends per group and backend set up (spawn, compile, auto's plan) and per point:
-# the estimate printed before the run (the progress line then gives one from the run's own pace).
-SETUP_S, POINT_S = 12.0, 1.5
+# Seconds a GPU run spends per group and backend set up (spawn, compile, auto's plan, MPS) and per
+# point, for the estimate printed before the run (the progress line then gives one from the run's own
+# pace). Set from the default run on one H200: 88 s for 2 setups and 24 points (default_run.log).
+SETUP_S, POINT_S = 24.0, 1.6
 
 
 def _eta(seconds: float) -> str:
