@@ -42,7 +42,7 @@ import torch
 
 from dcp.checks import DTYPE_NAMES, OUT_DTYPE_NAMES, dtype_name
 from dcp.protocol import ChannelLayout
-from dcp.kernels import MAX_PEERS
+from dcp.constants import MAX_PEERS
 from dcp.spawn import RankError, World, mps_daemon, mps_running
 from . import ranks
 from .plot import BASELINES, missing

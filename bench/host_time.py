@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
-from dcp.checks import launch_operands
+from dcp.checks import combine_batch
+from dcp.launch import launch_operands
 from dcp.protocol import call_tag
-from dcp.kernels import KIND_COMBINE
+from dcp.constants import KIND_COMBINE
 from dcp.reference import make_inputs
 from dcp.spawn import World
 from .ranks import Marks, calibrate, held_run
@@ -48,8 +49,8 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     outs, lses = make_inputs(rank, n, B, comm.num_heads, head_dim, comm.dtype)
     po, pl = outs[rank].to(comm.device), lses[rank].to(comm.device)
     y = torch.empty((B, comm.heads_per_rank, head_dim), dtype=comm.dtype, device=comm.device)
-    t, scratch = comm._transport, comm._lse_scratch
-    key, strides = launch_operands(po, pl, y, None)
+    t = comm._transport
+    operands = launch_operands(po, pl, y, None)
     tag = call_tag(KIND_COMBINE, B)
     one = torch.zeros(1, device=comm.device)
     cuda = comm.device.type == "cuda"
@@ -57,9 +58,10 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
         "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
         HELD_STEP: lambda: comm.lse_reduce(po, pl, out=y),
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
-        "  _validate": lambda: comm._validate(po, pl, y, None),
+        "  combine_batch (checks)": lambda: combine_batch(comm._geometry, po, pl, y, None),
         "  launch_operands": lambda: launch_operands(po, pl, y, None),
-        "  transport.launch": lambda: t.launch(key, strides, po, pl, y, scratch, B, tag, 0, False, True),
+        "  transport.launch": lambda: t.launch(operands=operands, po=po, lse=pl, y=y, y_lse=None, n_tokens=B, tag=tag,
+                                               channel=0, base_e=True),
         "for scale: a 1-element torch add_": lambda: one.add_(1),
         "empty step (timer only)": lambda: None,
     }

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from dcp import DcpAllToAll
 from dcp.reference import (chunk_reference, decode_metadata, make_inputs, make_queries, mask_by_metadata,
                            max_rel_error)
-from dcp.kernels import KIND_GATHER, build_kernels
+from dcp.constants import KIND_GATHER
+from dcp.kernels import build_kernels
 
 MARK_PROBES = 100  # marks timed back to back in setup: what one costs
 

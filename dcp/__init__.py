@@ -12,7 +12,15 @@ _root = os.path.dirname(_here)
 if os.path.isdir(os.path.join(_root, "kernels")) and not os.path.isdir(os.path.join(_here, "kernels")):
     __path__.append(_root)
 
-from dcp.comm import DcpAllToAll  # noqa: E402 (needs the path above)
 from dcp.errors import DcpError, DcpMismatchError, DcpPeerLostError, DcpTimeoutError  # noqa: E402
+
+
+def __getattr__(name: str):
+    """``DcpAllToAll`` on first use: ``import dcp.plan`` (or the doctor) need not load Triton."""
+    if name == "DcpAllToAll":
+        from dcp.comm import DcpAllToAll
+
+        return DcpAllToAll
+    raise AttributeError(f"module 'dcp' has no attribute {name!r}")
 
 __all__ = ["DcpAllToAll", "DcpError", "DcpMismatchError", "DcpPeerLostError", "DcpTimeoutError"]

@@ -9,7 +9,6 @@ allocated.
 import ctypes
 import mmap
 import os
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import cudart
+from dcp.config import shm_tag
 from dcp.rendezvous import agree, all_gather, barrier
 
 
@@ -80,7 +80,7 @@ def shm_token() -> str:
     """A fresh name token for one setup's segments: ``TAG-`` then 24 random hex digits, where
     ``DCP_A2A_SHM_TAG`` names a TAG (its letters, digits and ``_``, at most 32), so that a process
     tree (a test session) can tell the segments it made from those of others on the machine."""
-    tag = re.sub(r"[^A-Za-z0-9_]", "", os.environ.get("DCP_A2A_SHM_TAG", ""))[:32]
+    tag = shm_tag()
     return (f"{tag}-" if tag else "") + secrets.token_hex(12)
 
 

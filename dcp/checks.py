@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from dcp.kernels import KIND_GATHER
+from dcp.constants import TAG_MAX_TOKENS
 
 LSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,7 +85,7 @@ def _shape(t: torch.Tensor) -> str:
 def expect(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
     """Accept ``t`` or raise naming what was expected and what came (messages built only then).
 
-    The last dimension's stride is checked where strides are read (``launch_operands``)."""
+    The last dimension's stride is checked where strides are read (``dcp.launch.launch_operands``)."""
     if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device:
         return
     want = "[" + ", ".join(str(s) for s in shape) + "]"
@@ -132,36 +132,6 @@ def unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
         raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
 
 
-def launch_operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: Optional[torch.Tensor]) -> tuple:
-    """The launch's variant and its eight stride arguments, each tensor's strides read once.
-
-    The variant is everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer
-    alignments. A pointer counts as aligned only if every token's row is, so that the chunks
-    of a call with B > max_tokens share the variant of the whole call. Aligned row strides go
-    to the kernel divided by 8, which proves their alignment to it. ``y_lse`` None: the LSE
-    is not written (the kernel gets the scratch word and strides that are never used).
-    """
-    (po_b, po_h, po_d), (y_b, y_h, y_d), (l_b, l_h) = po.stride(), y.stride(), lse.stride()
-    yl_b, yl_h = y_lse.stride() if y_lse is not None else (1, 1)
-    if po_d != 1 or y_d != 1:
-        unit_last_stride("partial_out", po, po_d)
-        unit_last_stride("out", y, y_d)
-    po_ok = po_b % 8 == 0 and po.data_ptr() % 16 == 0
-    y_ok = y_b % 8 == 0 and y.data_ptr() % 16 == 0
-    if po_ok and y_ok and po_h % 8 == 0 and y_h % 8 == 0:
-        return (lse.dtype, True, True, True), (po_b // 8, po_h // 8, l_b, l_h, y_b // 8, y_h // 8, yl_b, yl_h)
-    return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h)
-
-def gather_operands(q16: torch.Tensor, y16: torch.Tensor) -> tuple:
-    """The gather's variant and stride arguments, as ``launch_operands`` (on the 16-bit word views)."""
-    (q_b, q_h, _), (y_b, y_h, _) = q16.stride(), y16.stride()
-    q_ok = q_b % 8 == 0 and q16.data_ptr() % 16 == 0
-    y_ok = y_b % 8 == 0 and y16.data_ptr() % 16 == 0
-    if q_ok and y_ok and q_h % 8 == 0 and y_h % 8 == 0:
-        return (KIND_GATHER, True, True, True), (q_b // 8, q_h // 8, 0, 0, y_b // 8, y_h // 8, 0, 0)
-    return (KIND_GATHER, False, q_ok, y_ok), (q_b, q_h, 0, 0, y_b, y_h, 0, 0)
-
-
 def refuse_overlap(inputs: tuple, outputs: tuple) -> None:
     """Outputs are written while other programs (and, chunk by chunk, later launches) still read
     the inputs: no output may share memory with an input or with another output. Only views of
@@ -180,24 +150,45 @@ def refuse_overlap(inputs: tuple, outputs: tuple) -> None:
                                  "must not share, or interleave with, the memory of inputs or other outputs)")
 
 
-def metadata(device: torch.device, seq_lens, query_start_loc) -> tuple:
-    """vLLM's batch metadata as launch arguments (int32 views, element strides), or raise as vLLM
-    does for an inconsistent pair (and naming what else does not fit)."""
-    if seq_lens is None or query_start_loc is None:
-        raise ValueError("seq_lens and query_start_loc must be provided together")
-    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if seq_lens.dim() != 1 or query_start_loc.dim() != 1 or query_start_loc.shape[0] != seq_lens.shape[0] + 1:
-        raise ValueError("query_start_loc must contain one boundary per sequence")
-    words = []
-    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-        if t.dtype not in META_DTYPES or t.device != device:
-            raise TypeError(f"{name}: expected torch.int32 or torch.int64 on {device}, got {t.dtype} "
-                            f"on {t.device}")
-        if t.dtype == torch.int64:  # its low 32-bit words (little-endian), in place: no copy
-            t = torch.empty(0, dtype=torch.int32, device=t.device).set_(
-                t.untyped_storage(), 2 * t.storage_offset(), t.shape, (2 * t.stride(0),))
-        words.append((t, t.stride(0)))
-    (sl, s_sl), (qsl, s_qsl) = words
-    return (sl, qsl, seq_lens.shape[0], s_sl, s_qsl)
+def combine_batch(geometry: tuple, po, lse, out, out_lse) -> int:
+    """A combine's B, or raise naming the argument that does not fit (``geometry``: the
+    communicator's (H/N, H, D, device, dtype)).
+
+    A well-formed call passes one test that reads each tensor's shape, dtype and device once
+    (a third of an eager call's host time went to checking, ``python -m bench.host_time``);
+    anything else, tensor subclasses included, goes through ``expect``, which names what was
+    expected and what came."""
+    hn, h, d, dev, dt = geometry
+    shape = po.shape if type(po) is torch.Tensor else ()
+    if (len(shape) == 3 and shape[1] == h and shape[2] == d and po.dtype is dt and po.device == dev
+            and type(lse) is torch.Tensor and lse.shape == (shape[0], h) and lse.dtype in LSE_DTYPES
+            and lse.device == dev
+            and (out is None or (type(out) is torch.Tensor and out.shape == (shape[0], hn, d)
+                                 and out.dtype is dt and out.device == dev))
+            and (out_lse is None or (type(out_lse) is torch.Tensor and out_lse.shape == (shape[0], hn)
+                                     and out_lse.dtype is torch.float32 and out_lse.device == dev))
+            and shape[0] <= TAG_MAX_TOKENS):
+        return shape[0]
+    B = po.shape[0] if isinstance(po, torch.Tensor) and po.dim() == 3 else "B"  # "B": raises below
+    expect("partial_out", po, (B, h, d), (dt,), dev)
+    expect("partial_lse", lse, (B, h), LSE_DTYPES, dev)
+    if out is not None:
+        expect("out", out, (B, hn, d), (dt,), dev)
+    if out_lse is not None:
+        expect("out_lse", out_lse, (B, hn), (torch.float32,), dev)
+    if B > TAG_MAX_TOKENS:
+        raise ValueError(f"partial_out: expected at most {TAG_MAX_TOKENS} tokens per call; got {B}")
+    return B
+
+
+def gather_batch(geometry: tuple, q, out) -> int:
+    """A gather's B, or raise naming the argument that does not fit (``geometry``: the
+    communicator's (H/N, H, Dq, device, query dtype))."""
+    hn, h, dq, dev, dt = geometry
+    B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else "B"  # "B": raises below
+    expect("q_local", q, (B, hn, dq), (dt,), dev)
+    if out is not None:
+        expect("out", out, (B, h, dq), (dt,), dev)
+    if B > TAG_MAX_TOKENS:
+        raise ValueError(f"q_local: expected at most {TAG_MAX_TOKENS} tokens per call; got {B}")
+    return B

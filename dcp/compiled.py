@@ -20,8 +20,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 
-from dcp.backends import compile_options, fused_variants
-from dcp.kernels import KIND_COMBINE, KIND_GATHER, build_kernels
+from dcp.launch import compile_options, fused_variants
+from dcp.constants import KIND_COMBINE, KIND_GATHER
+from dcp.kernels import build_kernels
 from dcp.protocol import SMALL_CALL_WARPS, ChannelLayout, ChannelRegion
 
 # What the doctor accepts for --arch: the compute capability of each.

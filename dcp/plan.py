@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from dcp.errors import DcpError
-from dcp.kernels import KIND_COMBINE, KIND_GATHER
+from dcp.constants import KIND_COMBINE, KIND_GATHER
 from dcp.rendezvous import all_gather
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from dcp.kernels import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT,
+from dcp.constants import (KIND_COMBINE, KIND_GATHER, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_WORDS, TAG_ABORT,
                          TAG_BASE2, TAG_GAVE_UP, TAG_KIND_SHIFT, TAG_MAX_TOKENS, TAG_NONE, TAG_POISONED)
 from dcp.errors import DcpError, DcpMismatchError, DcpTimeoutError
 
@@ -134,6 +134,16 @@ class ChannelLayout:
         return dict(N=self.world, NP=self.padded_peers, HN=self.heads_per_rank, D=self.head_dim,
                     DP=self.padded_dim, ROW=self.row_elems, LSE_OFF=self.lse_offset,
                     BLOCK_R=self.rows_per_tile(warps))
+
+
+def channel_layouts(config) -> dict:
+    """Kind -> the ChannelLayout of each collective of a ``dcp.config.Config`` (agreed: its grid is
+    every rank's). The gather moves query rows as raw 16-bit words: a copy, bit for bit."""
+    c = config
+    return {KIND_COMBINE: ChannelLayout(c.world, c.heads_per_rank, c.head_dim, c.max_tokens, c.num_warps,
+                                        c.max_programs, value_words=c.dtype.itemsize // 2),
+            KIND_GATHER: ChannelLayout(c.world, c.heads_per_rank, c.query_words, c.max_tokens, c.num_warps,
+                                       c.max_programs, lse=False)}
 
 
 @dataclass(frozen=True)

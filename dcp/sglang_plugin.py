@@ -33,19 +33,15 @@ which choice it overrode. SGLang's non-MLA DCP path (``triton_backend``'s inline
 backend, and its combine is shared with the chunked-prefill merge and the XPU backend.
 """
 
-import functools
 import importlib
-import inspect
 import logging
-import os
 from typing import Any, Optional
 
 import torch
 
-from dcp import vllm as dropin
-from dcp.checks import combine_geometry_error, query_geometry_error
+from dcp import serving
 from dcp.comm import DcpAllToAll
-from dcp.errors import DcpError
+from dcp.config import max_tokens_from_env, plugin_enabled
 from dcp.patching import when_imported
 
 # A child of SGLang's logger, so that its lines appear in SGLang's log.
@@ -62,22 +58,18 @@ HOOKED = {
     "cp_lse_ag_out_rs_mla": ("cp_attn_out", "cp_attn_lse", "cp_group", "ctx", "is_lse_base_on_e"),
     "all_gather_q_for_mla_decode": ("q_nope_out", "q_pe"),
 }
-_MARK = "_dcp_a2a_original"
 
-_verdicts: dict = {}  # (kind, group id, geometry but B, dtype, device, backend) -> communicator or None
-_combine_comms: dict = {}  # (group id, heads, D, dtype, device) -> a communicator built for it
-_gather_comms: dict = {}  # (group id, heads, nope width, rope width, dtype, device) -> the same
+_verdicts: dict = {}  # (kind, group id, geometry but B, dtype, device, backend) -> (communicator or None, group)
 # id(communicator) -> its queries' staging [max_tokens, H/N, Dq], allocated with it (before capture):
 # a gather writes its two parts there and gathers them at once, so that in capture it allocates only
 # its result. (Shared by the channel's calls, which are serialized on one stream.)
 _staging: dict = {}
-_logged: set = set()
 _max_tokens: dict = {"tokens": None, "why": "default"}  # the last runner's capture size, for later builds
 _get_parallel: Any = None  # sglang.srt.runtime_context.get_parallel, once registered
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_ON, "0").strip() not in ("", "0")
+    return plugin_enabled(ENV_ON)
 
 
 def register() -> None:
@@ -102,7 +94,7 @@ def register() -> None:
     hooked = []
     for name, hook in hooks.items():
         fn = getattr(comm_module, name, None)
-        found = None if fn is None else _parameters(fn)
+        found = None if fn is None else serving.parameters(fn)
         if found != HOOKED[name]:  # (the hooks take SGLang's parameters by these names, and pass them back)
             log.warning("dcp_a2a: %s.%s %s, not (%s) as in SGLang 0.5.23; that collective left to SGLang",
                         COMM_MODULE, name, "is missing" if fn is None else f"takes ({', '.join(found or ())})",
@@ -116,31 +108,17 @@ def register() -> None:
              ", ".join(hooked), COMM_MODULE)
 
 
-def _parameters(fn) -> Optional[tuple]:
-    try:
-        return tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-
-
 # --- before capture -----------------------------------------------------------------------------
 def _patch_runner(module) -> None:
-    cls = getattr(module, "ModelRunner", None)
-    original = getattr(cls, "__dict__", {}).get("init_cuda_graphs")
-    if original is None:
+    def wrap(original):
+        def init_cuda_graphs(self, *args, **kwargs):
+            prepare(self)
+            return original(self, *args, **kwargs)
+        return init_cuda_graphs
+
+    if serving.wrap_once(getattr(module, "ModelRunner", None), {"init_cuda_graphs": wrap}) == "missing":
         log.warning("dcp_a2a: %s has no ModelRunner.init_cuda_graphs; communicators are built on first use "
                     "(a geometry first seen in capture is left to SGLang)", module.__name__)
-        return
-    if _MARK in cls.__dict__:
-        return
-
-    @functools.wraps(original)
-    def init_cuda_graphs(self, *args, **kwargs):
-        prepare(self)
-        return original(self, *args, **kwargs)
-
-    setattr(cls, _MARK, original)
-    cls.init_cuda_graphs = init_cuda_graphs
 
 
 def _is_dcp_mla(module) -> bool:
@@ -180,8 +158,8 @@ def _device() -> torch.device:
 def _capture_tokens(runner) -> tuple:
     """(tokens, why): the largest batch SGLang captures for this runner times the tokens of each
     request (draft tokens when speculating), or ``DCP_A2A_MAX_TOKENS``."""
-    if os.environ.get("DCP_A2A_MAX_TOKENS"):
-        return dropin.max_tokens_from_env(), "DCP_A2A_MAX_TOKENS"
+    if max_tokens_from_env():
+        return max_tokens_from_env(), "DCP_A2A_MAX_TOKENS"
     try:
         capture = importlib.import_module(CAPTURE_MODULE)
         requests = max(capture.get_batch_sizes_to_capture(runner)[0])
@@ -197,13 +175,7 @@ def _capture_tokens(runner) -> tuple:
 
 # --- verdicts -----------------------------------------------------------------------------------
 def _world(group) -> int:
-    return dropin.group_parts(group)[1]
-
-
-def _declined_here(device: torch.device) -> Optional[str]:
-    if device.type not in ("cuda", "cpu"):
-        return f"{device.type} tensors (SGLang's own serves NPU, XPU and other devices)"
-    return None
+    return serving.group_parts(group)[1]
 
 
 def _gather_verdict(group, heads: int, nope: int, rope: int, dtype: torch.dtype, device: torch.device,
@@ -213,22 +185,14 @@ def _gather_verdict(group, heads: int, nope: int, rope: int, dtype: torch.dtype,
     key = ("gather", id(group), heads, nope, rope, dtype, device, backend)
     if key in _verdicts:
         return _verdicts[key][0]
-    world = _world(group)
-    why = ("a group of one" if world == 1 else _declined_here(device)
-           or query_geometry_error(nope + rope, dtype) or combine_geometry_error(world, heads, nope, dtype))
-    comm = None
-    if why is None:
-        comm = _gather_comms.get((id(group), heads, nope, rope, dtype, device))
-        if comm is None:
-            comm, why = _build(group, heads, nope, dtype, device, query=(nope + rope, dtype))
-            if comm is not None:
-                _gather_comms[(id(group), heads, nope, rope, dtype, device)] = comm
-                _combine_comms.setdefault((id(group), heads, nope, dtype, device), comm)
-                _staging.setdefault(id(comm), torch.empty((comm.max_tokens, comm.heads_per_rank, comm.query_dim),
-                                                          dtype=comm.query_dtype, device=comm.device))
+    comm, why = serving.serve(group, heads, nope, dtype, device, query=(nope + rope, dtype),
+                              max_tokens=_max_tokens["tokens"], engine="SGLang")
+    if comm is not None:
+        _staging.setdefault(id(comm), torch.empty((comm.max_tokens, comm.heads_per_rank, comm.query_dim),
+                                                  dtype=comm.query_dtype, device=comm.device))
     comm, why = _backend_verdict(comm, why, backend)
     _verdicts[key] = (comm, group)  # (the group kept alive with its id in the key)
-    _log_once(key, f"N={world}, {heads} heads: query gather Dq={nope + rope} ({nope} + {rope}) {dtype}"
+    _log_once(key, f"N={_world(group)}, {heads} heads: query gather Dq={nope + rope} ({nope} + {rope}) {dtype}"
               + (f" and combine D={nope} {dtype}" if why is None else ""), comm, why, backend)
     return comm
 
@@ -238,33 +202,11 @@ def _combine_verdict(group, heads: int, d: int, dtype: torch.dtype, device: torc
     key = ("combine", id(group), heads, d, dtype, device, backend)
     if key in _verdicts:
         return _verdicts[key][0]
-    world = _world(group)
-    why = "a group of one" if world == 1 else _declined_here(device) or combine_geometry_error(world, heads, d, dtype)
-    comm = None
-    if why is None:
-        comm = _combine_comms.get((id(group), heads, d, dtype, device))
-        if comm is None:
-            comm, why = _build(group, heads, d, dtype, device)
-            if comm is not None:
-                _combine_comms[(id(group), heads, d, dtype, device)] = comm
+    comm, why = serving.serve(group, heads, d, dtype, device, max_tokens=_max_tokens["tokens"], engine="SGLang")
     comm, why = _backend_verdict(comm, why, backend)
     _verdicts[key] = (comm, group)
-    _log_once(key, f"N={world}, {heads} heads: combine D={d} {dtype}", comm, why, backend)
+    _log_once(key, f"N={_world(group)}, {heads} heads: combine D={d} {dtype}", comm, why, backend)
     return comm
-
-
-def _build(group, heads: int, d: int, dtype: torch.dtype, device: torch.device,
-           query: Optional[tuple] = None) -> tuple:
-    """(communicator, None) built collectively, or (None, why). Never in capture: a geometry first
-    seen there is SGLang's (every rank captures the same graphs, so every rank declines alike)."""
-    if dropin.capturing(device):
-        return None, "reached CUDA-graph capture with no communicator built for it (nothing may be built there)"
-    extra = dict(query_dim=query[0], query_dtype=query[1]) if query else {}
-    try:
-        return dropin.communicator(group, heads, d, dtype, device, max_tokens=_max_tokens["tokens"]
-                                   or dropin.max_tokens_for(None), **extra), None
-    except DcpError as exc:  # raised alike on every rank: every rank leaves it to SGLang's own
-        return None, f"construction failed: {exc}"
 
 
 def _backend_verdict(comm, why, backend) -> tuple:
@@ -282,11 +224,8 @@ _BACKEND_NOTES = {
 
 
 def _log_once(key, what: str, comm, why, backend) -> None:
-    if key in _logged or (comm is not None and (id(comm), backend) in _logged):
+    if not serving.first_time(key) or (comm is not None and not serving.first_time((id(comm), backend))):
         return  # (a combine served by the communicator whose gather line said so already)
-    _logged.add(key)
-    if comm is not None:
-        _logged.add((id(comm), backend))
     if comm is None:
         (log.warning if "capture" in (why or "") else log.info)(
             "dcp_a2a: %s: SGLang's own kept (%s)", what, why)
@@ -350,6 +289,6 @@ def _query_gather(original, q_nope_out: torch.Tensor, q_pe: torch.Tensor) -> tup
 
 def close_all() -> None:
     """Collective: close every communicator built here (drop captured graphs first)."""
-    for cache in (_verdicts, _combine_comms, _gather_comms, _staging, _logged):
+    for cache in (_verdicts, _staging):
         cache.clear()
-    dropin.close_all()
+    serving.close_all()

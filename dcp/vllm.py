@@ -2,114 +2,33 @@
 
 ``dcp_a2a_lse_reduce`` takes every form vLLM's call sites use (``dcp.py`` and the older
 ``dcp_alltoall.py`` lineage); ``query_gather`` is the ``all_gather(q, dim=1)`` of a layer. Both run
-on one cached ``DcpAllToAll`` per geometry, built collectively by ``communicator`` (the plugin,
-``dcp.vllm_plugin``, builds it when vLLM builds its DCP managers, before graph capture). vLLM is
-not a dependency: a group is a ``torch.distributed`` group or any object with ``world_size`` and
-``device_group`` (vLLM's ``GroupCoordinator``).
+on one cached ``DcpAllToAll`` per geometry, built collectively by ``communicator`` (the serving
+layer's, ``dcp.serving``; the plugin, ``dcp.vllm_plugin``, builds it when vLLM builds its DCP
+managers, before graph capture). ``close_all`` closes them.
 """
 
 import inspect
 import logging
-import os
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from dcp import serving
 from dcp.checks import combine_geometry_error
 from dcp.comm import DcpAllToAll
 from dcp.errors import DcpError
+from dcp.serving import close_all, communicator, group_parts  # noqa: F401 (the drop-ins' names, documented)
 
 log = logging.getLogger("dcp")
-
-DEFAULT_MAX_TOKENS = 256
-_comms: dict = {}  # its whole geometry -> (group, communicator): every communicator built here
-_by_call: dict = {}  # (group id, kind, heads, row width, dtype, device) -> a communicator serving that call
-_ignored: set = set()
-
-
-def max_tokens_from_env() -> int:
-    """``DCP_A2A_MAX_TOKENS`` (default 256): tokens the persistent buffers hold per launch."""
-    value = os.environ.get("DCP_A2A_MAX_TOKENS", "")
-    try:
-        tokens = int(value) if value else DEFAULT_MAX_TOKENS
-    except ValueError:
-        tokens = 0
-    if tokens < 1:
-        raise DcpError(f"DCP_A2A_MAX_TOKENS must be a positive integer; got {value!r}")
-    return tokens
-
-
-def max_tokens_for(framework_sized: Optional[int]) -> int:
-    """A communicator's max_tokens: ``DCP_A2A_MAX_TOKENS`` where set, else the tokens the framework
-    sized its own DCP buffers or graphs for (else 256): larger calls run in chunks."""
-    if os.environ.get("DCP_A2A_MAX_TOKENS"):
-        return max_tokens_from_env()
-    return framework_sized or DEFAULT_MAX_TOKENS
-
-
-def group_parts(cp_group: Any) -> tuple:
-    """(process group or None, world size) of a ProcessGroup or a coordinator-like object."""
-    if isinstance(cp_group, dist.ProcessGroup):
-        return cp_group, dist.get_world_size(cp_group)
-    world = getattr(cp_group, "world_size", None)
-    group = getattr(cp_group, "device_group", None)
-    if isinstance(world, int) and world == 1:
-        return group, 1
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError("cp_group: expected a torch.distributed ProcessGroup or a group coordinator with a "
-                        f"device_group, got {type(cp_group).__name__}")
-    size = dist.get_world_size(group)
-    if world is not None and world != size:
-        raise ValueError(f"cp_group: world_size {world} disagrees with its device_group's size {size}")
-    return group, size
-
-
-def communicator(cp_group: Any, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: Optional[Union[torch.device, str]] = None, *, query_dim: Optional[int] = None,
-                 query_dtype: Optional[torch.dtype] = None, max_tokens: Optional[int] = None) -> DcpAllToAll:
-    """Collective: the communicator of this geometry (``num_heads`` in all), built once, kernels
-    loaded. Call it on every rank before graph capture; later calls return the cached one."""
-    group, _ = group_parts(cp_group)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (id(group), num_heads, head_dim, dtype, query_dim or head_dim, query_dtype or dtype, device)
-    if key not in _comms:
-        comm = DcpAllToAll(group, max_tokens=max_tokens or max_tokens_from_env(), num_heads=num_heads,
-                           head_dim=head_dim, dtype=dtype, device=device, query_dim=query_dim,
-                           query_dtype=query_dtype)
-        _comms[key] = (group, comm)  # the group is kept alive with its id in the key
-        _by_call.setdefault(_combine_key(group, num_heads, head_dim, dtype, device), comm)
-        _by_call.setdefault((id(group), "gather", num_heads, key[4], key[5], device), comm)
-    return _comms[key][1]
-
-
 warmup = communicator  # the name earlier releases documented
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether this device's current stream is capturing a CUDA graph (nothing may be built then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _combine_key(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple:
-    return (id(group), "combine", num_heads, head_dim, dtype, device)
-
-
-def has_communicator(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    return _combine_key(group, num_heads, head_dim, dtype, device) in _by_call
 
 
 def _cached(group, num_heads, head_dim, dtype, device, query: Optional[tuple] = None) -> DcpAllToAll:
     """The communicator of a call: one that serves its geometry (any query geometry for a combine)."""
-    comm = _by_call.get(_combine_key(group, num_heads, head_dim, dtype, device) if query is None
-                        else (id(group), "gather", num_heads, *query, device))
+    comm = serving.built(group, num_heads, head_dim, dtype, device, query)
     if comm is not None:
         return comm
-    if capturing(device):
+    if serving.capturing(device):
         raise DcpError("dcp.vllm: no communicator for this geometry yet, and the stream is capturing a CUDA "
                        "graph: call dcp.vllm.communicator(...) on every rank before capture")
     if query is None:
@@ -119,9 +38,8 @@ def _cached(group, num_heads, head_dim, dtype, device, query: Optional[tuple] = 
 
 
 def _note_ignored(names) -> None:
-    new = sorted(set(names) - _ignored)
+    new = sorted(name for name in names if serving.first_time(("ignored", name)))
     if new:
-        _ignored.update(new)
         log.info("dcp.vllm.dcp_a2a_lse_reduce: ignoring keyword(s) %s (not needed by this backend)", ", ".join(new))
 
 
@@ -207,8 +125,8 @@ def fallback_combine(original: Callable) -> Callable:
                 and combine_geometry_error(world, cp_attn_out.shape[1], cp_attn_out.shape[2],
                                            cp_attn_out.dtype) is None):
             # (the dictionary lookup first: the capture query costs more, on every eager call)
-            if world == 1 or has_communicator(parts[0], cp_attn_out.shape[1], cp_attn_out.shape[2], cp_attn_out.dtype,
-                                              cp_attn_out.device) or not capturing(cp_attn_out.device):
+            if world == 1 or serving.built(parts[0], cp_attn_out.shape[1], cp_attn_out.shape[2], cp_attn_out.dtype,
+                                           cp_attn_out.device) or not serving.capturing(cp_attn_out.device):
                 return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
             # Nothing may be built in capture: vLLM's own serves this geometry (logged once).
             _note_unbuilt(cp_attn_out)
@@ -220,17 +138,7 @@ def fallback_combine(original: Callable) -> Callable:
 
 
 def _note_unbuilt(t: torch.Tensor) -> None:
-    key = ("unbuilt", tuple(t.shape[1:]), t.dtype)
-    if key not in _ignored:
-        _ignored.add(key)
+    if serving.first_time(("unbuilt", tuple(t.shape[1:]), t.dtype)):
         log.warning("dcp.vllm: a combine of %s %s reached capture with no communicator built for it: vLLM's own "
                     "serves it (build one with dcp.vllm.communicator(...) before capture)", t.dtype,
                     list(t.shape[1:]))
-
-
-def close_all() -> None:
-    """Collective: close every cached communicator (drop captured graphs first)."""
-    _by_call.clear()
-    while _comms:
-        _, (_, comm) = _comms.popitem()
-        comm.close()

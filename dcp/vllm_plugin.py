@@ -25,16 +25,16 @@ import functools
 import importlib
 import inspect
 import logging
-import os
 import sys
 from typing import Optional
 
 import torch
 
+from dcp import serving
 from dcp import vllm as dropin
-from dcp.checks import combine_geometry_error, query_geometry_error
+from dcp.checks import query_geometry_error
 from dcp.comm import DcpAllToAll
-from dcp.errors import DcpError
+from dcp.config import plugin_enabled
 from dcp.patching import when_imported
 
 # A child of vLLM's logger, so that its lines appear in vLLM's log.
@@ -47,14 +47,13 @@ _MANAGER_ARGS = ("num_heads", "query_head_dim", "output_head_dim", "query_dtype"
                  "padded_num_heads", "use_pcp")
 _COMBINE_ARGS = ("num_heads", "head_dim", "dtype", "is_lse_base_on_e", "use_pcp")
 _GATHER_ARGS = ("num_heads", "head_dim", "dtype")
-_MARK = "_dcp_a2a_original"
 # Attention implementations that bind the combine in __init__: (module, class).
 IMPLS = (("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
          ("vllm.v1.attention.backends.flashinfer", "FlashInferImpl"))
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_ON, "0").strip() not in ("", "0")
+    return plugin_enabled(ENV_ON)
 
 
 def register() -> None:
@@ -83,22 +82,16 @@ def register() -> None:
 def _patch_impls(module) -> None:
     """Wrap the module's attention implementation so that building one builds its communicator."""
     name = dict(IMPLS)[module.__name__]
-    cls = getattr(module, name, None)
-    original = getattr(cls, "__dict__", {}).get("__init__")
-    if original is None:
+
+    def wrap(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            _impl_comm(self)
+        return __init__
+
+    if serving.wrap_once(getattr(module, name, None), {"__init__": wrap}) == "missing":
         log.warning("dcp_a2a: %s has no %s with an __init__ of its own; its combine is built on first use",
                     module.__name__, name)
-        return
-    if _MARK in cls.__dict__:
-        return
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        _impl_comm(self)
-
-    setattr(cls, _MARK, {"__init__": original})
-    cls.__init__ = __init__
 
 
 def _impl_comm(impl) -> None:
@@ -108,20 +101,13 @@ def _impl_comm(impl) -> None:
                for v in vars(impl).values()):
         return
     group = importlib.import_module("vllm.distributed.parallel_state").get_dcp_group()
-    world = dropin.group_parts(group)[1]
+    world = serving.group_parts(group)[1]
     heads, d = getattr(impl, "num_heads", 0) * world, getattr(impl, "head_size", 0)
     # vLLM builds its layers under the model's dtype; FlashAttention also records it.
     dtype = getattr(impl, "_dcp_dtype", None) or torch.get_default_dtype()
-    why = "a group of one" if world == 1 else combine_geometry_error(world, heads, d, dtype)
-    key = ("impl", type(impl).__name__, world, heads, d, dtype)
-    if why is None:
-        tokens = dropin.max_tokens_for(getattr(impl, "_dcp_max_num_tokens", None))
-        try:
-            comm = dropin.communicator(group, heads, d, dtype, max_tokens=tokens)
-        except DcpError as exc:  # raised alike on every rank: every rank leaves it to vLLM's own
-            why = f"construction failed: {exc}"
-    if key not in _logged:
-        _logged.add(key)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    comm, why = serving.serve(group, heads, d, dtype, device, max_tokens=getattr(impl, "_dcp_max_num_tokens", None))
+    if serving.first_time(("impl", type(impl).__name__, world, heads, d, dtype)):
         if why is None:
             log.info("dcp_a2a: %s: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend: %s; max_tokens %d), "
                      "built before capture", type(impl).__name__, world, heads, d, dtype, comm.backend,
@@ -131,66 +117,58 @@ def _impl_comm(impl) -> None:
                      world, heads, d, dtype, why)
 
 
-def _missing_parameters(fn, names) -> list:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return list(names)
-    return [n for n in names if n not in params]
-
-
 def _patch_manager(module) -> None:
     cls = getattr(module, "MLADCPManager", None)
     methods = ("__init__", "_init_combine", "_init_query_gather")
     missing = ["MLADCPManager"] if cls is None else [m for m in methods if not callable(getattr(cls, m, None))]
     if not missing:
         missing = [f"{m}({p})" for m, names in zip(methods, (_MANAGER_ARGS, _COMBINE_ARGS, _GATHER_ARGS))
-                   for p in _missing_parameters(getattr(cls, m), names)]
+                   for p in serving.missing_parameters(getattr(cls, m), names)]
     if missing:
         log.warning("dcp_a2a: %s lacks %s; its DCP manager left untouched", module.__name__, ", ".join(missing))
         return
-    if _MARK in cls.__dict__:
-        return
-    originals = {m: cls.__dict__[m] for m in methods}
-    signatures = {m: inspect.signature(f) for m, f in originals.items()}
+    signatures = {m: inspect.signature(getattr(cls, m)) for m in methods}
 
     def bound(method, args, kwargs) -> dict:
         b = signatures[method].bind(*args, **kwargs)
         b.apply_defaults()
         return b.arguments
 
-    def __init__(self, *args, **kwargs):
-        a = bound("__init__", (self,) + args, kwargs)
-        self._dcp_a2a_geometry = {k: a[k] for k in _MANAGER_ARGS}
-        originals["__init__"](self, *args, **kwargs)
+    def init(original):
+        def __init__(self, *args, **kwargs):
+            a = bound("__init__", (self,) + args, kwargs)
+            self._dcp_a2a_geometry = {k: a[k] for k in _MANAGER_ARGS}
+            original(self, *args, **kwargs)
+        return __init__
 
-    def _init_combine(self, *args, **kwargs):
-        a = bound("_init_combine", (self,) + args, kwargs)
-        comm = None if a["use_pcp"] else _manager_comm(self)
-        if comm is None:
-            return originals["_init_combine"](self, *args, **kwargs)
-        base_e = bool(a["is_lse_base_on_e"])
-        # For a call unlike the declared geometry (a backend's output dtype may differ): vLLM's own.
-        own = getattr(module.__dict__.get("dcp_a2a_lse_reduce"), "__wrapped__", None)
-        fallback = own and functools.partial(own, cp_group=self.group, is_lse_base_on_e=base_e)
-        _note_no_fallback("combine", fallback)
-        return functools.partial(_combine, comm, base_e, fallback)
+    def init_combine(original):
+        def _init_combine(self, *args, **kwargs):
+            a = bound("_init_combine", (self,) + args, kwargs)
+            comm = None if a["use_pcp"] else _manager_comm(self)
+            if comm is None:
+                return original(self, *args, **kwargs)
+            base_e = bool(a["is_lse_base_on_e"])
+            # For a call unlike the declared geometry (a backend's output dtype may differ): vLLM's own.
+            own = getattr(module.__dict__.get("dcp_a2a_lse_reduce"), "__wrapped__", None)
+            fallback = own and functools.partial(own, cp_group=self.group, is_lse_base_on_e=base_e)
+            _note_no_fallback("combine", fallback)
+            return functools.partial(_combine, comm, base_e, fallback)
+        return _init_combine
 
-    def _init_query_gather(self, *args, **kwargs):
-        comm = _manager_comm(self)
-        if comm is None or not self._dcp_a2a_serves_query:
-            return originals["_init_query_gather"](self, *args, **kwargs)
-        fallback = getattr(self, "_gather_query", None)
-        _note_no_fallback("query gather", fallback)
-        return functools.partial(_gather, comm, self._dcp_a2a_geometry["padded_num_heads"], fallback)
+    def init_query_gather(original):
+        def _init_query_gather(self, *args, **kwargs):
+            comm = _manager_comm(self)
+            if comm is None or not self._dcp_a2a_serves_query:
+                return original(self, *args, **kwargs)
+            fallback = getattr(self, "_gather_query", None)
+            _note_no_fallback("query gather", fallback)
+            return functools.partial(_gather, comm, self._dcp_a2a_geometry["padded_num_heads"], fallback)
+        return _init_query_gather
 
-    for name, fn in (("__init__", __init__), ("_init_combine", _init_combine),
-                     ("_init_query_gather", _init_query_gather)):
-        functools.update_wrapper(fn, originals[name])
-        setattr(cls, name, fn)
-    setattr(cls, _MARK, originals)
-    log.info("dcp_a2a: %s.MLADCPManager patched: MLA DCP combine and query gather run on dcp-a2a "
-             "(DCP_A2A_VLLM=1), ahead of vLLM's own transports", module.__name__)
+    if serving.wrap_once(cls, {"__init__": init, "_init_combine": init_combine,
+                               "_init_query_gather": init_query_gather}) == "wrapped":
+        log.info("dcp_a2a: %s.MLADCPManager patched: MLA DCP combine and query gather run on dcp-a2a "
+                 "(DCP_A2A_VLLM=1), ahead of vLLM's own transports", module.__name__)
 
 
 def _manager_comm(manager) -> Optional[DcpAllToAll]:
@@ -205,32 +183,22 @@ def _manager_comm(manager) -> Optional[DcpAllToAll]:
         manager._dcp_a2a_comm, manager._dcp_a2a_serves_query = None, False
         return None
     g, group = manager._dcp_a2a_geometry, manager.group
-    world = dropin.group_parts(group)[1]
+    world = serving.group_parts(group)[1]
     heads = g["num_heads"] * world
-    why = "a group of one" if world == 1 else combine_geometry_error(world, heads, g["output_head_dim"],
-                                                                     g["output_dtype"])
     query_why = query_geometry_error(g["query_head_dim"], g["query_dtype"])
-    comm = None
-    if why is None:
-        tokens = dropin.max_tokens_for(getattr(manager, "max_num_tokens", None))
-        query = {} if query_why else dict(query_dim=g["query_head_dim"], query_dtype=g["query_dtype"])
-        comm = dropin.communicator(group, heads, g["output_head_dim"], g["output_dtype"], manager.device,
-                                   max_tokens=tokens, **query)
+    query = None if query_why else (g["query_head_dim"], g["query_dtype"])
+    comm, why = serving.serve(group, heads, g["output_head_dim"], g["output_dtype"], manager.device, query=query,
+                              max_tokens=getattr(manager, "max_num_tokens", None))
     # (vLLM's manager records whether the user chose the packed all-to-all, --dcp-comm-backend a2a)
     overridden = comm is not None and getattr(manager, "use_a2a", True) is False
-    _log_once((world, heads, g["output_head_dim"], g["output_dtype"], g["query_head_dim"], g["query_dtype"]),
-              why, query_why, comm, overridden)
+    key = (world, heads, g["output_head_dim"], g["output_dtype"], g["query_head_dim"], g["query_dtype"])
+    if serving.first_time(key):
+        _log_verdict(key, why, query_why, comm, overridden)
     manager._dcp_a2a_comm, manager._dcp_a2a_serves_query = comm, comm is not None and query_why is None
     return comm
 
 
-_logged: set = set()
-
-
-def _log_once(key, why, query_why, comm, overridden: bool = False) -> None:
-    if key in _logged:
-        return
-    _logged.add(key)
+def _log_verdict(key, why, query_why, comm, overridden: bool) -> None:
     world, heads, d, dtype, dq, qdtype = key
     if comm is None:
         log.info("dcp_a2a: N=%d, %d heads, D=%d %s: vLLM's own combine and gather kept (%s)", world, heads, d,
@@ -245,8 +213,7 @@ def _log_once(key, why, query_why, comm, overridden: bool = False) -> None:
 
 
 def _note_no_fallback(what: str, fallback) -> None:
-    if fallback is None and ("no fallback", what) not in _logged:
-        _logged.add(("no fallback", what))
+    if fallback is None and serving.first_time(("no fallback", what)):
         log.warning("dcp_a2a: vLLM's own %s was not found: a %s unlike the layer's declared dtype or shape "
                     "will raise", what, what)
 
@@ -256,9 +223,7 @@ def _unlike(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, fallba
     same on every rank: the verdict reads only shapes and dtypes); logged once per kind of call."""
     if t.dtype is dtype and t.shape[1:] == shape or fallback is None:
         return False  # (without a fallback, the call raises naming what does not fit)
-    key = (what, t.dtype, tuple(t.shape[1:]))
-    if key not in _logged:
-        _logged.add(key)
+    if serving.first_time((what, t.dtype, tuple(t.shape[1:]))):
         log.info("dcp_a2a: a %s of %s %s, not the %s %s declared: vLLM's own serves it", what, t.dtype,
                  list(t.shape[1:]), dtype, list(shape))
     return True

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import dcp.buffers
 import dcp.plan
 from dcp import DcpAllToAll
-from dcp.backends import TritonTransport
-from dcp.kernels import KIND_COMBINE, KIND_GATHER, TAG_ABORT, TAG_POISONED
+from dcp.transports import TritonTransport
+from dcp.constants import KIND_COMBINE, KIND_GATHER, TAG_ABORT, TAG_POISONED
 
 
 def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", fail_phase: int = 0,
@@ -28,7 +28,7 @@ def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", f
     rank, phases = dist.get_rank(), []
 
     def failing(self, *args, **kw):
-        if self.name == fail and args[7] not in (TAG_ABORT, TAG_POISONED):  # args[7]: the call's tag
+        if self.name == fail and kw["tag"] not in (TAG_ABORT, TAG_POISONED):
             raise RuntimeError("injected failure")
         return real_launch(self, *args, **kw)
 

@@ -115,8 +115,8 @@ def _inside_a_call(comm: DcpAllToAll, channel: int = 0) -> None:
     """Wait until another thread of this process holds the channel (it is inside a call)."""
     _until(lambda: comm._busy[channel].locked(), "the other thread is inside its call")
     if comm.device.type == "cpu":
-        import dcp.backends
-        _until(dcp.backends._INTERPRETER.locked, "the other thread's kernel runs")
+        import dcp.launch
+        _until(dcp.launch._INTERPRETER.locked, "the other thread's kernel runs")
 
 
 def _late_peer_call(comm: DcpAllToAll, seed: int, B: int, channel: int = 0) -> float:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from dcp import DcpAllToAll, DcpError
 from dcp.reference import chunk_reference, make_inputs, mask_by_metadata, max_rel_error
-from dcp.kernels import KIND_GATHER
+from dcp.constants import KIND_GATHER
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -244,15 +244,15 @@ def construct_recording_compiles(state, fail_rank: int = -1, device: str = "cpu"
 
     Returns the (LSE dtype, tilings) of each load the constructor asked for, then the ChannelLayout's
     tilings; or, where construction failed, the DcpError's message."""
-    from dcp.backends import TritonTransport
+    from dcp.transports import TritonTransport
 
     loads, original = [], TritonTransport.load
 
-    def load(self, kind, variant, strides, po, lse, y, y_lse, tilings=None):
-        loads.append(("gather" if kind == KIND_GATHER else str(lse.dtype), tilings))
+    def load(self, kind, operands, po, lse, y, warps=None):
+        loads.append(("gather" if kind == KIND_GATHER else str(lse.dtype), warps))
         if dist.get_rank() == fail_rank:
             raise RuntimeError("injected compile failure")
-        original(self, kind, variant, strides, po, lse, y, y_lse, tilings)
+        original(self, kind, operands, po, lse, y, warps)
 
     TritonTransport.load = load
     try:
@@ -414,7 +414,7 @@ def auto_backend(state, device: str = "cpu", fail_setup_on: int = -1, other_host
     from unittest import mock
 
     import dcp.buffers
-    import dcp.comm
+    import dcp.config
 
     rank = dist.get_rank()
     patches = []
@@ -428,7 +428,7 @@ def auto_backend(state, device: str = "cpu", fail_setup_on: int = -1, other_host
                 return real(self, group, nbytes)
         patches.append(mock.patch.object(cls, "open", failing))
     if rank == other_host_on:
-        patches.append(mock.patch.object(dcp.comm.socket, "gethostname", return_value="another-host"))
+        patches.append(mock.patch.object(dcp.config.socket, "gethostname", return_value="another-host"))
     if env_backend:
         patches.append(mock.patch.dict(os.environ, {"DCP_A2A_BACKEND": env_backend}))
     for p in patches:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
+from dcp import serving
 from dcp import vllm as dropin
 from dcp.reference import chunk_reference, make_inputs, make_queries, max_rel_error
 from tests.rank_cases import TOL
@@ -181,7 +182,7 @@ def runner_is_hooked(state) -> bool:
     from dcp import sglang_plugin
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    original = getattr(ModelRunner, sglang_plugin._MARK, None)
+    original = getattr(ModelRunner, serving.MARK, None)
     return s is not None and original is not None and ModelRunner.init_cuda_graphs.__wrapped__ is original
 
 
@@ -191,17 +192,17 @@ def first_seen_in_capture(state, seed: int) -> dict:
     s = _sglang(state)
     n, rank = dist.get_world_size(), dist.get_rank()
     layer = _attention_module(s, 2 * NOPE, True)
-    capturing = dropin.capturing
-    dropin.capturing = lambda device: True  # in capture from here on: nothing may be built
-    comms_before = len(dropin._comms)
+    capturing = serving.capturing
+    serving.capturing = lambda device: True  # in capture from here on: nothing may be built
+    comms_before = len(serving._comms)
     try:
         with s.get_parallel().override(dcp_group=s.group, dcp_size=n, dcp_comm_backend="a2a"):
             s.calls.clear()
             res = _layer(s, layer, seed, True, n, rank, special=False)  # (SGLang's own: NaN rows of
             # empty shards propagate through its combine)
     finally:
-        dropin.capturing = capturing
-    return {"res": res, "calls": dict(s.calls), "built": len(dropin._comms) - comms_before,
+        serving.capturing = capturing
+    return {"res": res, "calls": dict(s.calls), "built": len(serving._comms) - comms_before,
             "log": [line for line in s.log if "capture" in line]}
 
 
@@ -320,7 +321,7 @@ def graphed_plugin(state, seed: int, sizes: list, layers: int, replays: int) -> 
             assert err <= TOL[dt], f"step {step} B={B} layer {layer}: combine error {err}"
             worst = max(worst, err)
     result = {"err": worst, "allocs": allocs, "theirs": dict(theirs), "memory_same": comm.memory_bytes() == memory,
-              "communicators": len(dropin._comms)}
+              "communicators": len(serving._comms)}
     del graphs
     os.environ.pop("DCP_A2A_MAX_TOKENS")
     sglang_plugin.close_all()

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from dcp.kernels import KIND_COMBINE, KIND_GATHER
+from dcp.constants import KIND_COMBINE, KIND_GATHER
 from dcp.protocol import POISONED_NOTE
 from dcp.plan import LAYER, HostTimer, Plan, choose, ladder, layer_points, measure, op_points
 from tests import auto_cases as ac

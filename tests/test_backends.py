@@ -42,3 +42,19 @@ def test_auto_falls_back_together_across_hosts(worlds):
 def test_env_overrides_the_default(worlds):
     res = worlds(2).run(rc.auto_backend, env_backend="nccl")
     assert all(r == ("nccl", "requested") for r in res), res
+
+
+def test_the_launch_argument_orders_are_the_kernels():
+    """``dcp.launch`` writes each kernel's runtime argument order once; the transports launch in it.
+    Checked against the kernels' own signatures (the constexprs follow them); a transport that
+    passed another order would read strides as tags."""
+    import inspect
+
+    from dcp.kernels import build_kernels
+    from dcp.launch import COMBINE_ARGS, FUSED_ARGS, PACK_ARGS
+
+    kernels = build_kernels(True)
+    for fn, names in ((kernels.fused, FUSED_ARGS), (kernels.pack, PACK_ARGS), (kernels.combine, COMBINE_ARGS)):
+        params = list(inspect.signature(fn.fn).parameters)
+        assert params[:len(names)] == list(names)
+        assert all(fn.fn.__annotations__.get(p) is not None for p in params[len(names):]), "constexprs follow"

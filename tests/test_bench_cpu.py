@@ -91,7 +91,7 @@ def test_host_time_probe_times_every_step_on_every_rank():
     steps = {line[:36].strip(): line[36:].split() for line in lines[2:10]}
     from bench.host_time import HELD_STEP
 
-    assert {HELD_STEP, "lse_reduce (out= given)", "_validate", "transport.launch"} <= set(steps)
+    assert {HELD_STEP, "lse_reduce (out= given)", "combine_batch (checks)", "transport.launch"} <= set(steps)
     assert all(len(v) == 2 and all(float(x) > 0 for x in v) for v in steps.values()), steps
     assert "function calls" in proc.stdout  # rank 0's profile
 

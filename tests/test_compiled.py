@@ -69,7 +69,7 @@ def test_clock_kernel_compiles():
     """The benchmark's mark: a counter on the device picks its slot, so graphs can hold it."""
     from dcp.compiled import Variant
     from dcp.kernels import build_kernels
-    from dcp.backends import compile_options
+    from dcp.launch import compile_options
 
     ptx, _ = compile_ptx(Variant("clock", build_kernels(False).clock, {"out": "*i64"}, {}, compile_options(1)), 90)
     assert "atom.global.gpu.relaxed.add.u64" in ptx and "%globaltimer" in ptx

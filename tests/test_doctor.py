@@ -157,3 +157,16 @@ def test_import_and_doctor_start_where_numpy_is_not_installed():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"versions: torch {torch.__version__}, triton "), run.stdout
+
+
+def test_the_host_modules_of_planning_and_the_protocol_load_no_triton():
+    """The protocol's numbers live in ``dcp.constants`` (plain Python): the host modules that plan
+    and decode import them, not the kernel file, so they load without Triton, as ``import dcp``
+    does until a communicator is used."""
+    code = ("import sys\n"
+            "import dcp, dcp.constants, dcp.protocol, dcp.plan, dcp.config\n"
+            "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if m.startswith('triton'))[:3]\n"
+            "from dcp import DcpAllToAll\n"
+            "assert 'triton' in sys.modules and DcpAllToAll.__module__ == 'dcp.comm'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr

@@ -7,7 +7,7 @@ import torch
 
 from dcp.protocol import POISONED_NOTE
 from dcp.spawn import World
-from dcp.kernels import EPOCH_PERIOD
+from dcp.constants import EPOCH_PERIOD
 
 from tests import gather_cases as gc
 from tests import lockstep_cases as lc

@@ -7,7 +7,7 @@ import pytest
 
 from dcp.buffers import SHM_PREFIX
 from dcp.spawn import World
-from dcp.kernels import EPOCH_PERIOD
+from dcp.constants import EPOCH_PERIOD
 from tests import rank_cases as rc
 from tests.conftest import check_no_leaks, fresh_seed
 
@@ -62,7 +62,7 @@ def test_the_first_failure_of_a_call_reads_alike_on_every_rank(worlds):
 
 
 def test_status_texts_name_what_each_rank_did():
-    from dcp.kernels import STATUS_MISMATCH, STATUS_WORDS, TAG_ABORT, TAG_GAVE_UP
+    from dcp.constants import STATUS_MISMATCH, STATUS_WORDS, TAG_ABORT, TAG_GAVE_UP
     from dcp.protocol import call_tag, describe_tag, status_error
 
     words = [0] * STATUS_WORDS
@@ -77,7 +77,7 @@ def test_a_timeout_names_a_rank_that_announced_another_call_after_the_wait():
     """The words rank 1 recorded in CI (sizes routed apart, test_auto): its wait gave up on rank 0,
     whose next call (announcing its earlier failure) arrived before the kernel recorded the flags,
     and rank 2 retracted the call having seen the same. Rank 0 is named; rank 2, who was there, not."""
-    from dcp.kernels import STATUS_TIMEOUT, STATUS_WORDS, TAG_GAVE_UP, TAG_NONE, TAG_POISONED
+    from dcp.constants import STATUS_TIMEOUT, STATUS_WORDS, TAG_GAVE_UP, TAG_NONE, TAG_POISONED
     from dcp.protocol import call_tag, status_error
 
     own = call_tag(0, 2)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dcp import vllm as dropin
+from dcp.config import max_tokens_from_env
 from dcp import vllm_plugin
 from tests import rank_cases as rc
 from tests import vllm_cases as vc
@@ -156,6 +157,6 @@ def test_plugin_does_nothing_unless_asked(monkeypatch, caplog):
 def test_max_tokens_variable_is_validated(monkeypatch):
     monkeypatch.setenv("DCP_A2A_MAX_TOKENS", "0")
     with pytest.raises(Exception, match="DCP_A2A_MAX_TOKENS must be a positive integer"):
-        dropin.max_tokens_from_env()
+        max_tokens_from_env()
     monkeypatch.setenv("DCP_A2A_MAX_TOKENS", "96")
-    assert dropin.max_tokens_from_env() == 96
+    assert max_tokens_from_env() == 96

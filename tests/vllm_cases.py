@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll
+from dcp import serving
 from dcp import vllm as dropin
 from dcp.reference import chunk_reference, make_inputs, make_queries, mask_by_metadata, max_rel_error
 from tests.rank_cases import DTYPES, TOL
@@ -174,7 +175,7 @@ def current_lineage(state, seed: int, enabled: bool, dtype: str = "bfloat16",
     assert torch.equal(torch.isneginf(yl), torch.isneginf(ref_lse))
     assert (yl.double()[fin] - ref_lse[fin]).abs().max() <= 1e-4 * (1 + ref_lse[fin].abs().max())
     result = {"err": worst, "vllm_calls_at_build": built, "vllm_calls": dict(vllm.CALLS),
-              "communicators": len(dropin._comms), "log": lines}
+              "communicators": len(serving._comms), "log": lines}
     dropin.close_all()
     return result
 
@@ -441,18 +442,18 @@ def non_mla_impl_before_capture(state, seed: int) -> dict:
         impl = FlashAttentionImpl(hn, D, config)
     finally:
         torch.set_default_dtype(before)
-    built = len(dropin._comms)
+    built = len(serving._comms)
     outs, lses = make_inputs(seed, n, B, n * hn, D, torch.bfloat16)
     other, other_lses = make_inputs(seed + 1, n, B, n * hn, 32, torch.bfloat16)
-    capturing = dropin.capturing
-    dropin.capturing = lambda device: True  # in capture from here on: nothing may be built
+    capturing = serving.capturing
+    serving.capturing = lambda device: True  # in capture from here on: nothing may be built
     try:
         y, y_lse = impl.context_combine(outs[rank], lses[rank])
         ours_calls = dict(vllm.CALLS)
         y_other = impl.dcp_combine(other[rank], other_lses[rank], get_dcp_group(), return_lse=True)[0]
     finally:
-        dropin.capturing = capturing
-    result = {"built_at_init": built, "comms_after": len(dropin._comms), "calls_ours": ours_calls,
+        serving.capturing = capturing
+    result = {"built_at_init": built, "comms_after": len(serving._comms), "calls_ours": ours_calls,
               "calls_after": dict(vllm.CALLS), "log": lines,
               "err": max_rel_error(y, chunk_reference(outs, lses, rank, hn, True)[0]),
               "err_other": max_rel_error(y_other, chunk_reference(other, other_lses, rank, hn, True)[0])}

@@ -1,0 +1,193 @@
+"""How the kernels are launched: the order of each kernel's arguments, the operands read from a
+call's tensors (``launch_operands``, ``gather_operands``: the variant Triton specializes on and the
+stride arguments), the batch metadata's one shape (``Metadata``), Triton's options per tiling, and
+``Launcher``, which launches a loaded variant without Triton's per-launch overhead.
+
+The argument order of each kernel is written here once (``FUSED_ARGS``, ``PACK_ARGS``,
+``COMBINE_ARGS``; a test checks them against the kernels' signatures); each transport launches a
+kernel from one place, in that order.
+"""
+
+import threading
+from typing import NamedTuple, Optional
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+from dcp.checks import META_DTYPES, unit_last_stride
+from dcp.constants import KIND_GATHER
+from dcp.errors import DcpError
+from dcp.protocol import ChannelRegion
+
+LOG2E = 1.4426950408889634
+_data_ptr = torch.Tensor.data_ptr
+# Triton's interpreter patches its language module while a kernel runs: one kernel at a time per
+# process. A second thread's launch is refused rather than queued: it could wait behind a call
+# that is itself waiting for that launch's peers.
+_INTERPRETER = threading.Lock()
+
+# The kernels' runtime arguments, in order (tensors first; then the scalars).
+STRIDES = ("s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h", "s_yl_b", "s_yl_h")
+META = ("tok0", "num_seqs", "s_sl", "s_qsl")
+FUSED_ARGS = ("po", "lse", "y", "y_lse", "ctl", "seq_lens", "qsl", "n_tokens", "call_tag", "rank", *STRIDES,
+              "write_lse", "log2_scale", *META)
+PACK_ARGS = ("po", "lse", "send", "seq_lens", "qsl", "n_tokens", *STRIDES[:4], *META)
+COMBINE_ARGS = ("recv", "y", "y_lse", "n_tokens", *STRIDES[4:], "write_lse", "log2_scale")
+
+
+class Metadata(NamedTuple):
+    """vLLM's batch metadata as launch arguments: int32 views and their element strides;
+    ``num_seqs`` -1 where a call has none (then the pointers are never read)."""
+    seq_lens: torch.Tensor
+    qsl: torch.Tensor
+    num_seqs: int
+    s_sl: int
+    s_qsl: int
+
+
+def no_metadata(device: torch.device) -> Metadata:
+    """The launch arguments of a call without batch metadata."""
+    word = torch.zeros(1, dtype=torch.int32, device=device)
+    return Metadata(word, word, -1, 1, 1)
+
+
+def metadata(device: torch.device, seq_lens, query_start_loc) -> Metadata:
+    """vLLM's batch metadata as launch arguments (int32 views, element strides), or raise as vLLM
+    does for an inconsistent pair (and naming what else does not fit)."""
+    if seq_lens is None or query_start_loc is None:
+        raise ValueError("seq_lens and query_start_loc must be provided together")
+    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if seq_lens.dim() != 1 or query_start_loc.dim() != 1 or query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError("query_start_loc must contain one boundary per sequence")
+    words = []
+    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.dtype not in META_DTYPES or t.device != device:
+            raise TypeError(f"{name}: expected torch.int32 or torch.int64 on {device}, got {t.dtype} "
+                            f"on {t.device}")
+        if t.dtype == torch.int64:  # its low 32-bit words (little-endian), in place: no copy
+            t = torch.empty(0, dtype=torch.int32, device=t.device).set_(
+                t.untyped_storage(), 2 * t.storage_offset(), t.shape, (2 * t.stride(0),))
+        words.append((t, t.stride(0)))
+    (sl, s_sl), (qsl, s_qsl) = words
+    return Metadata(sl, qsl, seq_lens.shape[0], s_sl, s_qsl)
+
+
+def launch_operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: Optional[torch.Tensor]) -> tuple:
+    """A combine's operands ``(variant, strides)``: the variant and the eight stride arguments in
+    ``STRIDES`` order, each tensor's strides read once.
+
+    The variant is everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer
+    alignments. A pointer counts as aligned only if every token's row is, so that the chunks
+    of a call with B > max_tokens share the variant of the whole call. Aligned row strides go
+    to the kernel divided by 8, which proves their alignment to it. ``y_lse`` None: the LSE
+    is not written (the kernel gets the scratch word and strides that are never used).
+    """
+    (po_b, po_h, po_d), (y_b, y_h, y_d), (l_b, l_h) = po.stride(), y.stride(), lse.stride()
+    yl_b, yl_h = y_lse.stride() if y_lse is not None else (1, 1)
+    if po_d != 1 or y_d != 1:
+        unit_last_stride("partial_out", po, po_d)
+        unit_last_stride("out", y, y_d)
+    po_ok = po_b % 8 == 0 and po.data_ptr() % 16 == 0
+    y_ok = y_b % 8 == 0 and y.data_ptr() % 16 == 0
+    if po_ok and y_ok and po_h % 8 == 0 and y_h % 8 == 0:
+        return (lse.dtype, True, True, True), (po_b // 8, po_h // 8, l_b, l_h, y_b // 8, y_h // 8, yl_b, yl_h)
+    return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h)
+
+
+def gather_operands(q16: torch.Tensor, y16: torch.Tensor) -> tuple:
+    """The gather's variant and stride arguments, as ``launch_operands`` (on the 16-bit word views)."""
+    (q_b, q_h, _), (y_b, y_h, _) = q16.stride(), y16.stride()
+    q_ok = q_b % 8 == 0 and q16.data_ptr() % 16 == 0
+    y_ok = y_b % 8 == 0 and y16.data_ptr() % 16 == 0
+    if q_ok and y_ok and q_h % 8 == 0 and y_h % 8 == 0:
+        return (KIND_GATHER, True, True, True), (q_b // 8, q_h // 8, 0, 0, y_b // 8, y_h // 8, 0, 0)
+    return (KIND_GATHER, False, q_ok, y_ok), (q_b, q_h, 0, 0, y_b, y_h, 0, 0)
+
+
+def compile_options(warps: int, pdl: bool = False) -> dict:
+    """Triton's options for a kernel of ``warps`` warps. ``maxnreg``: without a register limit
+    ptxas aimed some variants at 40 registers and spilled (docs/design.md, section 5.9); this one
+    still lets one program fill an SM. FP fusion is stated, not left to a default that changes
+    with the Triton version."""
+    return dict(num_warps=warps, launch_pdl=pdl, maxnreg=min(255, 65536 // (32 * warps)), enable_fp_fusion=True)
+
+
+def fused_variants(layouts: dict, region: ChannelRegion, gpu_scope: bool, trace: bool, pdl: bool,
+                   pull: bool = False) -> dict:
+    """(kind, warps) -> (constexprs, options) of every fused-kernel tiling a communicator loads
+    (``layouts``: kind -> ChannelLayout on ``region``); ``pdl``: where the GPU has it; ``pull``:
+    the pull transport's variants."""
+    variants = {}
+    for kind, layout in layouts.items():
+        for w in layout.tilings:
+            early = pdl and layout.launches_early(w)
+            variants[kind, w] = (dict(region.constexprs(layout, w), GPU_SCOPE=gpu_scope, TRACE=trace, PDL=early,
+                                      PULL=pull),
+                                 compile_options(w, early))
+    return variants
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set (a chain of hooks, or one callable in older versions)."""
+    return bool(getattr(hook, "calls", hook))
+
+
+class Launcher:
+    """Launches one kernel; on CUDA through the compiled variant's own launcher once it is loaded.
+
+    Triton's JIT entry point rebinds the arguments, recomputes the specialization key and rechecks
+    the kernel's globals on every launch (it was most of an eager call's host time,
+    ``python -m bench.host_time``); its compiled-kernel handle still looks up the device and stream,
+    builds launch metadata and asks the driver about every tensor pointer. A loaded variant needs
+    none of that: it is launched with the pointers as integers on the stream of ``device``, by the
+    launcher's C entry point where the kernel needs no scratch memory (Triton 3.6's Python wrapper
+    around it only allocates scratch). ``variant`` must determine everything Triton specializes on
+    (``launch_operands``; its second field says whether rows are 16-byte aligned). On CPU
+    tensors the interpreter runs the kernel. With a launch hook set (profilers), Triton's handle
+    launches it, so the hooks run.
+    """
+
+    def __init__(self, kernel, device: torch.device, constexprs: dict, options: dict):
+        self.kernel, self.cuda, self.constexprs, self.options = kernel, device.type == "cuda", constexprs, options
+        self.index = device.index
+        self.raw_stream = driver.active.get_current_stream if self.cuda else None
+        # variant -> (compiled kernel, launch entry, its arguments before the kernel's, constexpr values)
+        self.compiled: dict = {}
+
+    def __call__(self, variant: tuple, grid: int, tensors: tuple, *scalars) -> None:
+        """``tensors``: the pointer arguments, first in the kernel's order; ``scalars``: the rest."""
+        hit = self.compiled.get(variant)  # (never on CPU)
+        if hit is not None:
+            compiled, entry, head, consts = hit
+            if not (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+                entry(grid, 1, 1, self.raw_stream(self.index), compiled.function, *head,
+                      *map(_data_ptr, tensors), *scalars, *consts)
+            else:
+                compiled[(grid, 1, 1)](*tensors, *scalars, *consts)
+            return
+        kwargs = dict(self.constexprs, ALIGNED=variant[1])
+        if not self.cuda:
+            if not _INTERPRETER.acquire(blocking=False):
+                raise DcpError("another thread of this process is running a call on the CPU: Triton's "
+                               "interpreter runs one kernel at a time, so CPU calls cannot run concurrently")
+            import numpy as np  # (here: Triton's interpreter needs it; the GPU path and the doctor do not)
+
+            try:
+                with np.errstate(all="ignore"):  # the interpreter also evaluates masked-off lanes
+                    self.kernel[(grid,)](*tensors, *scalars, num_warps=self.options["num_warps"], **kwargs)
+            finally:
+                _INTERPRETER.release()
+            return
+        compiled = self.kernel[(grid,)](*tensors, *scalars, **self.options, **kwargs)
+        # The launchers take every parameter in order; they ignore the constexprs' values.
+        n_args = len(tensors) + len(scalars)
+        consts = tuple(kwargs[name] for name in self.kernel.arg_names[n_args:])
+        run, tail = compiled.run, (compiled.packed_metadata, None, None, None)  # launch metadata, hooks
+        if getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0:
+            self.compiled[variant] = (compiled, run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+                                      + tail, consts)
+        else:
+            self.compiled[variant] = (compiled, run, tail, consts)
