@@ -182,7 +182,7 @@ def runner_is_hooked(state) -> bool:
     from dcp import sglang_plugin
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    original = getattr(ModelRunner, serving.MARK, None)
+    original = getattr(ModelRunner, serving.MARK, {}).get("init_cuda_graphs")
     return s is not None and original is not None and ModelRunner.init_cuda_graphs.__wrapped__ is original
 
 
