@@ -106,7 +106,8 @@ class DcpAllToAll:
         self.config = c
         self.max_tokens, self.num_heads, self.head_dim, self.dtype = c.max_tokens, c.num_heads, c.head_dim, c.dtype
         self.query_dim, self.query_dtype, self.device, self.channels = c.query_dim, c.query_dtype, c.device, c.channels
-        self.heads_per_rank, self.timeout_s, self.check_calls, self.pdl = c.heads_per_rank, c.timeout_s, c.check_calls, c.pdl
+        self.heads_per_rank, self.timeout_s, self.check_calls = c.heads_per_rank, c.timeout_s, c.check_calls
+        self.pdl, self.max_programs, self.num_warps, self.tracing = c.pdl, c.max_programs, c.num_warps, c.tracing
         # 3. The rows of each collective and the region they share.
         layouts = channel_layouts(c)
         self.layout, self.gather_layout = layouts[KIND_COMBINE], layouts[KIND_GATHER]
@@ -117,9 +118,10 @@ class DcpAllToAll:
         self._host_poison: dict = {}
         self.plan = None
         # 4-6. The transports; auto's plan among them; their kernels.
-        self._transports, self.backend_reason, left_out = build_transports(group, c, facts, layouts, self.region)
         self._closed = False
         try:
+            self._transports, self.backend_reason, left_out = build_transports(group, c, facts, layouts,
+                                                                               self.region)
             self._loader = KernelLoader(c, self._transports)
             self._loader.compile_shared(group)
             self._loader.warmup(None, None, None, None, None)
@@ -301,6 +303,8 @@ class DcpAllToAll:
 
     def _device_error(self, channel: int) -> Optional[DcpError]:
         """The first recorded failure of a channel in any transport in use (host reads)."""
+        if self._only is not None:
+            return self._only.error(channel)
         return next((e for e in (t.error(channel) for t in self._transports.values()) if e is not None), None)
 
     def _announce(self, transport, channel: int, tag: int) -> None:
@@ -371,7 +375,7 @@ class DcpAllToAll:
         combined them. Programs that did not run are zero. Synchronizes the device.
         """
         self._check_open()
-        if not self.config.tracing or not hasattr(self._transport, "trace_records"):
+        if not self.tracing or not hasattr(self._transport, "trace_records"):
             raise DcpError("tracing is off: construct with DCP_A2A_TRACE=1 and the triton backend")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -29,12 +29,12 @@ _INT_ARGS = ("max_tokens", "num_heads", "head_dim", "channels", "query_dim")
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip() not in ("", "0")
+    return os.environ.get(name, "0") not in ("", "0")
 
 
 def plugin_enabled(variable: str) -> bool:
-    """An engine plugin's switch (``DCP_A2A_VLLM``, ``DCP_A2A_SGLANG``): set and not 0."""
-    return _flag(variable)
+    """An engine plugin's switch (``DCP_A2A_VLLM``, ``DCP_A2A_SGLANG``): set and not 0 (spaces ignored)."""
+    return os.environ.get(variable, "0").strip() not in ("", "0")
 
 
 def shm_tag() -> str:
@@ -42,13 +42,16 @@ def shm_tag() -> str:
     return re.sub(r"[^A-Za-z0-9_]", "", os.environ.get("DCP_A2A_SHM_TAG", ""))[:32]
 
 
-def max_tokens_from_env() -> Optional[int]:
-    """``DCP_A2A_MAX_TOKENS`` where set (tokens the persistent buffers hold per launch), else None."""
+def max_tokens_set() -> bool:
+    """Whether ``DCP_A2A_MAX_TOKENS`` is set (it then decides every plugin communicator's size)."""
+    return bool(os.environ.get("DCP_A2A_MAX_TOKENS"))
+
+
+def max_tokens_from_env() -> int:
+    """``DCP_A2A_MAX_TOKENS`` (default 256): tokens the persistent buffers hold per launch."""
     value = os.environ.get("DCP_A2A_MAX_TOKENS", "")
-    if not value:
-        return None
     try:
-        tokens = int(value)
+        tokens = int(value) if value else DEFAULT_MAX_TOKENS
     except ValueError:
         tokens = 0
     if tokens < 1:
@@ -59,7 +62,7 @@ def max_tokens_from_env() -> Optional[int]:
 def max_tokens_for(framework_sized: Optional[int]) -> int:
     """A plugin communicator's max_tokens: ``DCP_A2A_MAX_TOKENS`` where set, else the tokens the
     engine sized its own DCP buffers or graphs for, else 256: larger calls run in chunks."""
-    return max_tokens_from_env() or framework_sized or DEFAULT_MAX_TOKENS
+    return max_tokens_from_env() if max_tokens_set() else framework_sized or DEFAULT_MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class Config:
     backend: str  # as requested ("push" named "triton")
     channels: int
     timeout_s: float
-    max_programs: Optional[int]  # None until agreed: then the grid every rank keeps resident
+    max_programs: Optional[int]  # this rank's grid at most (None until agreed: then its default)
     num_warps: Optional[int]
     pdl: bool
     check_calls: bool
@@ -87,6 +90,7 @@ class Config:
     measures: bool  # whether auto times its candidates
     gpu_scope: bool = False  # set when agreed: flags and fences at GPU scope (every rank on one GPU)
     ranks_per_device: int = 1  # set when agreed
+    programs: int = 1  # set when agreed: the smallest grid of any rank, which sizes every rank's tiles
 
     @property
     def heads_per_rank(self) -> int:
@@ -218,8 +222,9 @@ def agree_config(group: dist.ProcessGroup, config: Optional[Config], error: Opti
     ranks_per_device = sum(1 for f in facts if f[2] == place)
     config = replace(config, ranks_per_device=ranks_per_device,
                      gpu_scope=ranks_per_device == config.world and os.environ.get("DCP_A2A_FENCE_SCOPE") != "sys")
-    programs = min(all_gather(group, config.max_programs or _default_programs(config), "DcpAllToAll construction"))
-    return replace(config, max_programs=programs), Group(tuple(f[2].split("/")[0] for f in facts),
+    config = replace(config, max_programs=config.max_programs or _default_programs(config))
+    programs = min(all_gather(group, config.max_programs, "DcpAllToAll construction"))
+    return replace(config, programs=programs), Group(tuple(f[2].split("/")[0] for f in facts),
                                                          tuple(f[3] for f in facts))
 
 

@@ -23,7 +23,7 @@ import triton
 from dcp.checks import DTYPE_NAMES, OUT_DTYPE_NAMES, dtype_name
 from dcp.compiled import ARCHES, hot_variants, judge
 from dcp.constants import KIND_COMBINE
-from dcp.spawn import World, mps_daemon, mps_running
+from dcp.spawn import World, mps_daemon
 
 # The releases this package is tested with, the one place that says so in code (pyproject.toml
 # declares the same ranges; the README's "Versions" the same runs): each torch + Triton pair that
@@ -174,7 +174,7 @@ def _measure(a: argparse.Namespace, devices: list) -> Optional[dict]:
         print("not measured: no GPU here")
         return None
     one = len(devices) == 1
-    if one and not (a.mps or mps_running()):
+    if one and not (a.mps or os.environ.get("CUDA_MPS_PIPE_DIRECTORY")):
         print("not measured: ranks sharing this GPU need CUDA MPS (add --mps, or start nvidia-cuda-mps-control -d)")
         return None
     geometry = (a.heads_per_rank, a.head_dim, a.query_dim, a.dtype, a.query_dtype, a.max_tokens)

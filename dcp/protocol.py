@@ -141,9 +141,9 @@ def channel_layouts(config) -> dict:
     every rank's). The gather moves query rows as raw 16-bit words: a copy, bit for bit."""
     c = config
     return {KIND_COMBINE: ChannelLayout(c.world, c.heads_per_rank, c.head_dim, c.max_tokens, c.num_warps,
-                                        c.max_programs, value_words=c.dtype.itemsize // 2),
+                                        c.programs, value_words=c.dtype.itemsize // 2),
             KIND_GATHER: ChannelLayout(c.world, c.heads_per_rank, c.query_words, c.max_tokens, c.num_warps,
-                                       c.max_programs, lse=False)}
+                                       c.programs, lse=False)}
 
 
 @dataclass(frozen=True)

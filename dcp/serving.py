@@ -103,34 +103,46 @@ def declined(world: int, num_heads: int, head_dim: int, dtype: torch.dtype, devi
 
 
 def serve(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
-          query: Optional[tuple] = None, max_tokens: Optional[int] = None, engine: str = "the engine") -> tuple:
+          query: Optional[tuple] = None, max_tokens: Optional[int] = None, engine: str = "the engine",
+          decline_failure: bool = True) -> tuple:
     """Collective: ``(communicator, None)`` for a geometry this package serves (built unless it
-    was), or ``(None, why)``: declined (``declined``), first seen in capture (every rank captures
-    the same graphs, so every rank declines alike), or its construction failed (raised alike on
-    every rank: every rank leaves it to the engine's own)."""
+    was: a combine takes any communicator of its geometry, a combine with its query gather
+    (``query``: (Dq, dtype)) one built for both), or ``(None, why)``: declined (``declined``), first
+    seen in capture (every rank captures the same graphs, so every rank declines alike), or, with
+    ``decline_failure``, its construction failed (raised alike on every rank: every rank leaves it
+    to the engine's own; else it raises)."""
     device = _device(device)
     why = declined(group_parts(group)[1], num_heads, head_dim, dtype, device, query, engine)
     if why:
         return None, why
-    comm = built(group, num_heads, head_dim, dtype, device, query)
+    key = (id(group_parts(group)[0]), num_heads, head_dim, dtype, *query, device) if query else None
+    comm = _comms[key][1] if key in _comms else None if query else built(group, num_heads, head_dim, dtype, device)
     if comm is not None:
         return comm, None
     if capturing(device):
         return None, IN_CAPTURE
     extra = dict(query_dim=query[0], query_dtype=query[1]) if query else {}
+    tokens = max_tokens_for(max_tokens)
     try:
-        return communicator(group, num_heads, head_dim, dtype, device, max_tokens=max_tokens_for(max_tokens),
-                            **extra), None
+        return communicator(group, num_heads, head_dim, dtype, device, max_tokens=tokens, **extra), None
     except DcpError as exc:
+        if not decline_failure:
+            raise
         return None, f"construction failed: {exc}"
 
 
-def first_time(key) -> bool:
-    """Whether ``key`` (a verdict, a warning) comes up for the first time: each is logged once."""
-    if key in _said:
+def first_time(scope: str, key) -> bool:
+    """Whether ``key`` (a verdict, a warning) comes up for the first time in ``scope`` (a plugin's
+    name): each is logged once, until ``forget(scope)``."""
+    if (scope, key) in _said:
         return False
-    _said.add(key)
+    _said.add((scope, key))
     return True
+
+
+def forget(scope: str) -> None:
+    """Log a scope's verdicts again when they next come up."""
+    _said.difference_update([said for said in _said if said[0] == scope])
 
 
 def parameters(fn: Callable) -> Optional[tuple]:
@@ -166,7 +178,6 @@ def wrap_once(cls: Any, wrappers: dict) -> str:
 def close_all() -> None:
     """Collective: close every communicator built here (drop captured graphs first)."""
     _by_call.clear()
-    _said.clear()
     while _comms:
         _, (_, comm) = _comms.popitem()
         comm.close()

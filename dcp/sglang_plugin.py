@@ -41,7 +41,7 @@ import torch
 
 from dcp import serving
 from dcp.comm import DcpAllToAll
-from dcp.config import max_tokens_from_env, plugin_enabled
+from dcp.config import max_tokens_from_env, max_tokens_set, plugin_enabled
 from dcp.patching import when_imported
 
 # A child of SGLang's logger, so that its lines appear in SGLang's log.
@@ -158,7 +158,7 @@ def _device() -> torch.device:
 def _capture_tokens(runner) -> tuple:
     """(tokens, why): the largest batch SGLang captures for this runner times the tokens of each
     request (draft tokens when speculating), or ``DCP_A2A_MAX_TOKENS``."""
-    if max_tokens_from_env():
+    if max_tokens_set():
         return max_tokens_from_env(), "DCP_A2A_MAX_TOKENS"
     try:
         capture = importlib.import_module(CAPTURE_MODULE)
@@ -224,7 +224,8 @@ _BACKEND_NOTES = {
 
 
 def _log_once(key, what: str, comm, why, backend) -> None:
-    if not serving.first_time(key) or (comm is not None and not serving.first_time((id(comm), backend))):
+    if not serving.first_time("sglang", key) or (comm is not None
+                                                  and not serving.first_time("sglang", (id(comm), backend))):
         return  # (a combine served by the communicator whose gather line said so already)
     if comm is None:
         (log.warning if "capture" in (why or "") else log.info)(
@@ -291,4 +292,5 @@ def close_all() -> None:
     """Collective: close every communicator built here (drop captured graphs first)."""
     for cache in (_verdicts, _staging):
         cache.clear()
+    serving.forget("sglang")
     serving.close_all()

@@ -17,7 +17,8 @@ from dcp import serving
 from dcp.checks import combine_geometry_error
 from dcp.comm import DcpAllToAll
 from dcp.errors import DcpError
-from dcp.serving import close_all, communicator, group_parts  # noqa: F401 (the drop-ins' names, documented)
+from dcp.config import DEFAULT_MAX_TOKENS, max_tokens_for, max_tokens_from_env  # noqa: F401 (its names before)
+from dcp.serving import capturing, close_all, communicator, group_parts  # noqa: F401 (the drop-ins' names)
 
 log = logging.getLogger("dcp")
 warmup = communicator  # the name earlier releases documented
@@ -38,7 +39,7 @@ def _cached(group, num_heads, head_dim, dtype, device, query: Optional[tuple] = 
 
 
 def _note_ignored(names) -> None:
-    new = sorted(name for name in names if serving.first_time(("ignored", name)))
+    new = sorted(name for name in names if serving.first_time("vllm", ("ignored", name)))
     if new:
         log.info("dcp.vllm.dcp_a2a_lse_reduce: ignoring keyword(s) %s (not needed by this backend)", ", ".join(new))
 
@@ -138,7 +139,7 @@ def fallback_combine(original: Callable) -> Callable:
 
 
 def _note_unbuilt(t: torch.Tensor) -> None:
-    if serving.first_time(("unbuilt", tuple(t.shape[1:]), t.dtype)):
+    if serving.first_time("vllm", ("unbuilt", tuple(t.shape[1:]), t.dtype)):
         log.warning("dcp.vllm: a combine of %s %s reached capture with no communicator built for it: vLLM's own "
                     "serves it (build one with dcp.vllm.communicator(...) before capture)", t.dtype,
                     list(t.shape[1:]))

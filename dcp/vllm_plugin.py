@@ -106,8 +106,9 @@ def _impl_comm(impl) -> None:
     # vLLM builds its layers under the model's dtype; FlashAttention also records it.
     dtype = getattr(impl, "_dcp_dtype", None) or torch.get_default_dtype()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    comm, why = serving.serve(group, heads, d, dtype, device, max_tokens=getattr(impl, "_dcp_max_num_tokens", None))
-    if serving.first_time(("impl", type(impl).__name__, world, heads, d, dtype)):
+    comm, why = serving.serve(group, heads, d, dtype, device, max_tokens=getattr(impl, "_dcp_max_num_tokens", None),
+                              engine="vLLM")
+    if serving.first_time("vllm", ("impl", type(impl).__name__, world, heads, d, dtype)):
         if why is None:
             log.info("dcp_a2a: %s: N=%d, %d heads, combine D=%d %s on dcp-a2a (%s backend: %s; max_tokens %d), "
                      "built before capture", type(impl).__name__, world, heads, d, dtype, comm.backend,
@@ -165,8 +166,12 @@ def _patch_manager(module) -> None:
             return functools.partial(_gather, comm, self._dcp_a2a_geometry["padded_num_heads"], fallback)
         return _init_query_gather
 
-    if serving.wrap_once(cls, {"__init__": init, "_init_combine": init_combine,
-                               "_init_query_gather": init_query_gather}) == "wrapped":
+    done = serving.wrap_once(cls, {"__init__": init, "_init_combine": init_combine,
+                                   "_init_query_gather": init_query_gather})
+    if done == "missing":
+        log.warning("dcp_a2a: %s.MLADCPManager inherits %s; its DCP manager left untouched", module.__name__,
+                    ", ".join(m for m in methods if m not in cls.__dict__))
+    elif done == "wrapped":
         log.info("dcp_a2a: %s.MLADCPManager patched: MLA DCP combine and query gather run on dcp-a2a "
                  "(DCP_A2A_VLLM=1), ahead of vLLM's own transports", module.__name__)
 
@@ -187,12 +192,14 @@ def _manager_comm(manager) -> Optional[DcpAllToAll]:
     heads = g["num_heads"] * world
     query_why = query_geometry_error(g["query_head_dim"], g["query_dtype"])
     query = None if query_why else (g["query_head_dim"], g["query_dtype"])
+    # (a construction failure raises here, before capture, as vLLM builds the layer)
     comm, why = serving.serve(group, heads, g["output_head_dim"], g["output_dtype"], manager.device, query=query,
-                              max_tokens=getattr(manager, "max_num_tokens", None))
+                              max_tokens=getattr(manager, "max_num_tokens", None), engine="vLLM",
+                              decline_failure=False)
     # (vLLM's manager records whether the user chose the packed all-to-all, --dcp-comm-backend a2a)
     overridden = comm is not None and getattr(manager, "use_a2a", True) is False
     key = (world, heads, g["output_head_dim"], g["output_dtype"], g["query_head_dim"], g["query_dtype"])
-    if serving.first_time(key):
+    if serving.first_time("vllm", key):
         _log_verdict(key, why, query_why, comm, overridden)
     manager._dcp_a2a_comm, manager._dcp_a2a_serves_query = comm, comm is not None and query_why is None
     return comm
@@ -213,7 +220,7 @@ def _log_verdict(key, why, query_why, comm, overridden: bool) -> None:
 
 
 def _note_no_fallback(what: str, fallback) -> None:
-    if fallback is None and serving.first_time(("no fallback", what)):
+    if fallback is None and serving.first_time("vllm", ("no fallback", what)):
         log.warning("dcp_a2a: vLLM's own %s was not found: a %s unlike the layer's declared dtype or shape "
                     "will raise", what, what)
 
@@ -223,7 +230,7 @@ def _unlike(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, fallba
     same on every rank: the verdict reads only shapes and dtypes); logged once per kind of call."""
     if t.dtype is dtype and t.shape[1:] == shape or fallback is None:
         return False  # (without a fallback, the call raises naming what does not fit)
-    if serving.first_time((what, t.dtype, tuple(t.shape[1:]))):
+    if serving.first_time("vllm", (what, t.dtype, tuple(t.shape[1:]))):
         log.info("dcp_a2a: a %s of %s %s, not the %s %s declared: vLLM's own serves it", what, t.dtype,
                  list(t.shape[1:]), dtype, list(shape))
     return True

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dcp import vllm as dropin
-from dcp.config import max_tokens_from_env
 from dcp import vllm_plugin
 from tests import rank_cases as rc
 from tests import vllm_cases as vc
@@ -157,6 +156,13 @@ def test_plugin_does_nothing_unless_asked(monkeypatch, caplog):
 def test_max_tokens_variable_is_validated(monkeypatch):
     monkeypatch.setenv("DCP_A2A_MAX_TOKENS", "0")
     with pytest.raises(Exception, match="DCP_A2A_MAX_TOKENS must be a positive integer"):
-        max_tokens_from_env()
+        dropin.max_tokens_from_env()
     monkeypatch.setenv("DCP_A2A_MAX_TOKENS", "96")
-    assert max_tokens_from_env() == 96
+    assert dropin.max_tokens_from_env() == 96
+
+
+def test_the_serving_layer_keeps_each_geometry_on_its_own_communicator(worlds):
+    res = worlds(2).run(vc.serving_keeps_geometries_apart)
+    for r in res:
+        assert r["distinct"] and r["b"] == (128, torch.float16, 72) and r["combine_reuses"], r
+        assert r["why"] == "num_heads must be a positive multiple of the group size 2; got 5", r

@@ -459,3 +459,17 @@ def non_mla_impl_before_capture(state, seed: int) -> dict:
               "err_other": max_rel_error(y_other, chunk_reference(other, other_lses, rank, hn, True)[0])}
     dropin.close_all()
     return result
+
+
+def serving_keeps_geometries_apart(state) -> dict:
+    """The serving layer's cache: a combine with its query gather takes only a communicator built
+    for both; a combine alone takes any communicator of its geometry; a declined geometry says why."""
+    group, n, cpu = dist.group.WORLD, dist.get_world_size(), torch.device("cpu")
+    bf16, fp16 = torch.bfloat16, torch.float16
+    a, _ = serving.serve(group, 2 * n, 64, bf16, cpu, query=(72, bf16), max_tokens=2)
+    b, _ = serving.serve(group, 2 * n, 128, fp16, cpu, query=(72, bf16), max_tokens=2)
+    c, _ = serving.serve(group, 2 * n, 64, bf16, cpu)
+    _, why = serving.serve(group, 2 * n + 1, 64, bf16, cpu)
+    res = {"distinct": a is not b, "b": (b.head_dim, b.dtype, b.query_dim), "combine_reuses": c is a, "why": why}
+    serving.close_all()
+    return res
