@@ -86,7 +86,7 @@ def _gather_key(group, num_heads: int, query_dim: int, query_dtype: torch.dtype,
 def built(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
           query: Optional[tuple] = None) -> Optional[DcpAllToAll]:
     """A communicator built for a call of this geometry (a combine's, or with ``query`` (Dq, dtype)
-    a gather's), or None."""
+    a gather's), or None. ``group``: the process group (``group_parts(...)[0]``)."""
     return _by_call.get(_combine_key(group, num_heads, head_dim, dtype, device) if query is None
                         else _gather_key(group, num_heads, *query, device))
 
@@ -112,11 +112,12 @@ def serve(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torc
     ``decline_failure``, its construction failed (raised alike on every rank: every rank leaves it
     to the engine's own; else it raises)."""
     device = _device(device)
-    why = declined(group_parts(group)[1], num_heads, head_dim, dtype, device, query, engine)
+    pg, world = group_parts(group)  # (the caches key the process group, not a coordinator around it)
+    why = declined(world, num_heads, head_dim, dtype, device, query, engine)
     if why:
         return None, why
-    key = (id(group_parts(group)[0]), num_heads, head_dim, dtype, *query, device) if query else None
-    comm = _comms[key][1] if key in _comms else None if query else built(group, num_heads, head_dim, dtype, device)
+    key = (id(pg), num_heads, head_dim, dtype, *query, device) if query else None
+    comm = _comms[key][1] if key in _comms else None if query else built(pg, num_heads, head_dim, dtype, device)
     if comm is not None:
         return comm, None
     if capturing(device):

@@ -165,4 +165,5 @@ def test_the_serving_layer_keeps_each_geometry_on_its_own_communicator(worlds):
     res = worlds(2).run(vc.serving_keeps_geometries_apart)
     for r in res:
         assert r["distinct"] and r["b"] == (128, torch.float16, 72) and r["combine_reuses"], r
+        assert r["coordinator_reuses"] and r["built"] == 2, r
         assert r["why"] == "num_heads must be a positive multiple of the group size 2; got 5", r

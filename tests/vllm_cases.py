@@ -463,13 +463,19 @@ def non_mla_impl_before_capture(state, seed: int) -> dict:
 
 def serving_keeps_geometries_apart(state) -> dict:
     """The serving layer's cache: a combine with its query gather takes only a communicator built
-    for both; a combine alone takes any communicator of its geometry; a declined geometry says why."""
+    for both; a combine alone takes any communicator of its geometry, whether the engine passes its
+    process group or a coordinator around it; a declined geometry says why."""
     group, n, cpu = dist.group.WORLD, dist.get_world_size(), torch.device("cpu")
     bf16, fp16 = torch.bfloat16, torch.float16
     a, _ = serving.serve(group, 2 * n, 64, bf16, cpu, query=(72, bf16), max_tokens=2)
     b, _ = serving.serve(group, 2 * n, 128, fp16, cpu, query=(72, bf16), max_tokens=2)
     c, _ = serving.serve(group, 2 * n, 64, bf16, cpu)
+    # An engine's coordinator around the same process group finds the same communicators.
+    coordinator = types.SimpleNamespace(world_size=n, rank_in_group=dist.get_rank(), device_group=group)
+    d, _ = serving.serve(coordinator, 2 * n, 64, bf16, cpu)
+    e, _ = serving.serve(coordinator, 2 * n, 64, bf16, cpu, query=(72, bf16))
     _, why = serving.serve(group, 2 * n + 1, 64, bf16, cpu)
-    res = {"distinct": a is not b, "b": (b.head_dim, b.dtype, b.query_dim), "combine_reuses": c is a, "why": why}
+    res = {"distinct": a is not b, "b": (b.head_dim, b.dtype, b.query_dim), "combine_reuses": c is a, "why": why,
+           "coordinator_reuses": d is a and e is a, "built": len(serving._comms)}
     serving.close_all()
     return res
