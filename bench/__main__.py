@@ -65,6 +65,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
+    return value
+
+
 def _group_size(text: str) -> int:
     value = _positive(text)
     if value < 2:
@@ -228,8 +238,9 @@ def parser(cuda: bool, gpus: int, full: bool = False) -> argparse.ArgumentParser
                         "(without a GPU: the CPU demo)")
     p.add_argument("--world-size", type=_group_size, nargs="+", metavar="N", default=d["world_size"],
                    help=f"ranks in the group, a sweep per value; above {MAX_PEERS} only the nccl backend runs")
-    p.add_argument("--batch", type=_positive, nargs="+", metavar="B", default=d["batch"],
-                   help="tokens per call, a point per value")
+    p.add_argument("--batch", type=_tokens, nargs="+", metavar="B", default=d["batch"],
+                   help="tokens per call, a point per value (0: a call of no work, which still publishes and "
+                        "waits for the peers' flags: the protocol's fixed cost)")
     p.add_argument("--heads-per-rank", type=_positive, default=d["heads_per_rank"], metavar="H",
                    help="attention heads per rank; the call combines N times as many")
     p.add_argument("--head-dim", type=_positive, nargs="+", default=d["head_dim"], metavar="D",
@@ -389,7 +400,7 @@ def main(argv=None) -> None:
                         name = pg if backend == "nccl" else backend  # the nccl path runs the group's all-to-all
                         for d in args.head_dim:
                             where = f"N={n} {name} D={d}"
-                            tilings = w.run(ranks.setup, args.heads_per_rank, d, max(args.batch), device, backend,
+                            tilings = w.run(ranks.setup, args.heads_per_rank, d, max(1, *args.batch), device, backend,
                                             args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
                                             args.timer, args.dtype, args.query_dim, args.query_dtype)[0]
                             if tilings["plan"]:

@@ -97,7 +97,8 @@ def plot(results_json: str = "results/results.json", out_dir: str = "results") -
                                   ("speedup", f"speedup over {baseline} (x)", FIGURES[1])):
         series = {}
         for r in rows:
-            if not missing(r.get(metric)) and (metric != "speedup" or r["backend"] not in BASELINES):
+            # (a call of no work, B = 0, has no place on the log axis: the table has it)
+            if not missing(r.get(metric)) and r["B"] > 0 and (metric != "speedup" or r["backend"] not in BASELINES):
                 op = r.get("op", "combine")
                 key = (r["world"], r["head_dim"], r["mode"], r["backend"], op,
                        f"Dq={r.get('query_dim')}" if op == "gather" else f"D={r['head_dim']}")

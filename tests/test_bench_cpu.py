@@ -101,10 +101,27 @@ def test_bench_rejects_sizes_below_one(capsys):
 
     from bench.__main__ import main
 
-    for flag in ("--batch", "--world-size", "--iters", "--head-dim", "--heads-per-rank"):
+    for flag in ("--world-size", "--iters", "--head-dim", "--heads-per-rank"):
         with pytest.raises(SystemExit):
             main([flag, "0"])
         assert "expected a positive integer, got 0" in capsys.readouterr().err
+    for size in ("-1", "x"):  # --batch 0 is a call of no work
+        with pytest.raises(SystemExit):
+            main(["--batch", size])
+        assert f"expected a non-negative integer, got {size}" in capsys.readouterr().err
+
+
+def test_bench_times_a_call_of_no_work(tmp_path):
+    """--batch 0: every op runs a call that moves nothing (the protocol's fixed cost, issue 46),
+    beside B = 1 in the same run; rows of no bytes, nothing to differ from the reference."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "--world-size", "2", "--batch", "0", "1", "--iters", "1",
+                           "--op", "combine", "gather", "layer", "--metadata", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text(), parse_constant=_no_nan)[-1]["rows"]
+    assert [(r["B"], r["op"]) for r in rows] == [(b, op) for b in (0, 1) for op in ("combine", "gather", "layer")]
+    assert all(r["size_bytes"] == 0 and r["max_rel_err"] == 0 and r["median_us"] > 0 for r in rows[:3]), rows[:3]
+    assert all(r["size_bytes"] > 0 for r in rows[3:])
 
 
 def test_csv_rows_stay_under_their_columns(tmp_path):
