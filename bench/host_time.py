@@ -6,7 +6,8 @@ Every rank runs the same sequence (steps that launch the kernel do so on all ran
 launch completes); the table gives the median per rank and step, and a profile of rank 0. The held
 step launches behind a sleeping kernel, as the benchmark's timed loops do, and only as many calls
 as the benchmark times by default (some thousands of queued launches block until the queue
-drains); the others launch into a queue that the GPU keeps up with.
+drains); the others launch into a queue that the GPU keeps up with. On a GPU, the launcher's entry
+point called with every argument prepared shows the floor of a Triton launch from Python.
 """
 
 import argparse
@@ -54,14 +55,26 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     tag = call_tag(KIND_COMBINE, B)
     one = torch.zeros(1, device=comm.device)
     cuda = comm.device.type == "cuda"
+    launch = lambda: t.launch(operands=operands, po=po, lse=pl, y=y, y_lse=None, n_tokens=B, tag=tag, channel=0,
+                              base_e=True)
+    # The floor of a launch from Python: the loaded variant's entry point with every argument read
+    # beforehand (those that transport.launch passes it, caught from one call that launches nothing).
+    fused, grid = t.by_size[KIND_COMBINE][B - 1]
+    caught = []
+    t.by_size[KIND_COMBINE][B - 1] = (lambda *args: caught.append(args), grid)
+    try:
+        launch()
+    finally:
+        t.by_size[KIND_COMBINE][B - 1] = (fused, grid)
+    entry = fused.bound(*caught[0])  # (None on the CPU: nothing is compiled there)
     steps = {
         "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
         HELD_STEP: lambda: comm.lse_reduce(po, pl, out=y),
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
         "  combine_batch (checks)": lambda: combine_batch(comm._geometry, po, pl, y, None),
         "  launch_operands": lambda: launch_operands(po, pl, y, None),
-        "  transport.launch": lambda: t.launch(operands=operands, po=po, lse=pl, y=y, y_lse=None, n_tokens=B, tag=tag,
-                                               channel=0, base_e=True),
+        "  transport.launch": launch,
+        **({"    the launcher's entry alone": entry} if entry else {}),
         "for scale: a 1-element torch add_": lambda: one.add_(1),
         "empty step (timer only)": lambda: None,
     }

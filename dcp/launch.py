@@ -8,6 +8,7 @@ The argument order of each kernel is written here once (``FUSED_ARGS``, ``PACK_A
 kernel from one place, in that order.
 """
 
+import functools
 import threading
 from typing import NamedTuple, Optional
 
@@ -157,6 +158,17 @@ class Launcher:
         self.raw_stream = driver.active.get_current_stream if self.cuda else None
         # variant -> (compiled kernel, launch entry, its arguments before the kernel's, constexpr values)
         self.compiled: dict = {}
+
+    def bound(self, variant: tuple, grid: int, tensors: tuple, *scalars) -> Optional[functools.partial]:
+        """A launch of a loaded variant through the launcher's entry point, its arguments (stream and
+        pointers too) read now: the floor of a launch from Python, for ``bench.host_time``. None
+        where no variant is loaded (CPU tensors)."""
+        hit = self.compiled.get(variant)
+        if hit is None:
+            return None
+        compiled, entry, head, consts = hit
+        return functools.partial(entry, grid, 1, 1, self.raw_stream(self.index), compiled.function, *head,
+                                 *map(_data_ptr, tensors), *scalars, *consts)
 
     def __call__(self, variant: tuple, grid: int, tensors: tuple, *scalars) -> None:
         """``tensors``: the pointer arguments, first in the kernel's order; ``scalars``: the rest."""

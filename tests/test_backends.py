@@ -58,3 +58,24 @@ def test_the_launch_argument_orders_are_the_kernels():
         params = list(inspect.signature(fn.fn).parameters)
         assert params[:len(names)] == list(names)
         assert all(fn.fn.__annotations__.get(p) is not None for p in params[len(names):]), "constexprs follow"
+
+
+def test_a_bound_launch_passes_what_a_call_passes():
+    """``Launcher.bound`` (the floor ``bench.host_time`` times) calls a loaded variant's entry point
+    with the very arguments a call would: the stream, the function, the pointers, the scalars, the
+    constexprs' placeholders. A fake entry point records both; no variant is loaded: None."""
+    import types
+
+    from dcp.kernels import build_kernels
+    from dcp.launch import Launcher
+
+    launcher = Launcher(build_kernels(True).fused, torch.device("cpu"), {}, {"num_warps": 4})
+    a, b = torch.randn(3), torch.randn(5)
+    assert launcher.bound(("v", True), 4, (a, b), 7, 8) is None
+    seen = []
+    launcher.raw_stream = lambda index: 11
+    launcher.compiled[("v", True)] = (types.SimpleNamespace(function=22), lambda *args: seen.append(args),
+                                      (1, 2, None, None), (33, 44))
+    launcher(("v", True), 4, (a, b), 7, 8)
+    launcher.bound(("v", True), 4, (a, b), 7, 8)()
+    assert seen[0] == seen[1] == (4, 1, 1, 11, 22, 1, 2, None, None, a.data_ptr(), b.data_ptr(), 7, 8, 33, 44)
