@@ -430,7 +430,7 @@ def lse_alltoall_kernel(
                         elif (((first & 0xFFFFFFFF) == e) & (first != want)) | ((first >> 32) == _TAG_POISONED):
                             tile_code = _MISMATCH
                 _pause()
-            if (tile_code > 0) & (code == 0):
+            if (tile_code > 0) & (code <= 0):  # (code is -1 once a tile arrived)
                 # Missing: the sources absent at the wait's last read (read again, a late one
                 # that arrived since would be named by nobody); also for the retraction.
                 _record_failure(status, flags, ctl, slot, t, e, tag, tile_code, absent, N, TILES_MAX, FLAG_OFF,

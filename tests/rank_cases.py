@@ -508,6 +508,36 @@ def timeout_with_a_late_flag(state, key: str, B: int = 2) -> dict:
         scope["_record_failure"] = record
 
 
+def timeout_after_a_tile_that_arrived(state, key: str, B: int, lossy: int) -> dict:
+    """Rank ``lossy`` loses its flag of the call's second tile (planted in the interpreted kernel),
+    so with one program a rank's first tile arrives and its second never does. That wait's
+    failure must be recorded like a first tile's: the call raises, naming rank ``lossy``."""
+    from dcp import DcpTimeoutError
+    from dcp.kernels import build_kernels
+
+    comm: DcpAllToAll = state[key]
+    scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
+    store, stores = scope["_store_relaxed"], []
+
+    def second_lost(ptr, val, GPU_SCOPE):
+        stores.append(val)
+        if len(stores) != 2:  # the flags of tile 0, then of tile 1: the second store is lost
+            store(ptr, val, GPU_SCOPE)
+
+    if comm.rank == lossy:
+        scope["_store_relaxed"] = second_lost
+    po = torch.randn(B, comm.num_heads, comm.head_dim).to(comm.dtype)
+    pl = torch.randn(B, comm.num_heads)
+    out = torch.full((B, comm.heads_per_rank, comm.head_dim), 7.0, dtype=comm.dtype)
+    try:
+        comm.lse_reduce(po, pl, out=out, check=True)
+    except DcpTimeoutError as exc:
+        return {"missing": exc.missing_ranks, "message": str(exc), "flags": len(stores)}
+    finally:
+        scope["_store_relaxed"] = store
+    return {"returned": True, "flags": len(stores)}
+
+
 def expect_mismatch(state, key: str, B: int) -> str:
     from dcp import DcpMismatchError
 

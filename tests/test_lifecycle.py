@@ -104,6 +104,18 @@ def test_a_timeout_names_a_peer_whose_flag_lands_while_the_failure_is_recorded(w
     w.run(rc.close_comm, "late")
 
 
+def test_a_timeout_after_a_tile_that_arrived_is_recorded(worlds):
+    """One program walks several tiles; its first arrives, a later one never does (its flag lost on
+    rank 1). Every rank must raise naming rank 1: a wait that failed after a good tile was once
+    never recorded, so the call returned normally with its rows NaN."""
+    w = worlds(2)
+    w.run(rc.make_comm, "gap", max_tokens=16, num_heads=8, head_dim=512, timeout_s=SHORT_TIMEOUT_S, max_programs=1)
+    res = w.run(rc.timeout_after_a_tile_that_arrived, "gap", 16, 1, timeout=120)
+    assert res[1]["flags"] >= 2, res  # rank 1 published more than one tile: the plant took
+    assert all(r.get("missing") == [1] for r in res), res
+    w.run(rc.close_comm, "gap")
+
+
 def test_peer_death_is_reported_and_survivors_close():
     w = World(3)
     try:
