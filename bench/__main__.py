@@ -240,7 +240,8 @@ def parser(cuda: bool, gpus: int, full: bool = False) -> argparse.ArgumentParser
                    help=f"ranks in the group, a sweep per value; above {MAX_PEERS} only the nccl backend runs")
     p.add_argument("--batch", type=_tokens, nargs="+", metavar="B", default=d["batch"],
                    help="tokens per call, a point per value (0: a call of no work, which still publishes and "
-                        "waits for the peers' flags: the protocol's fixed cost)")
+                        "waits for the peers' flags: the protocol's fixed cost; the nccl backend exchanges nothing "
+                        "then, so that point has no speedup)")
     p.add_argument("--heads-per-rank", type=_positive, default=d["heads_per_rank"], metavar="H",
                    help="attention heads per rank; the call combines N times as many")
     p.add_argument("--head-dim", type=_positive, nargs="+", default=d["head_dim"], metavar="D",
@@ -412,10 +413,10 @@ def main(argv=None) -> None:
                                         res = w.run(ranks.run_point, B, mode, args.iters, seed + B, op,
                                                     args.metadata, timeout=120)
                                         rows.append(_row(res, n, gpus, mps_on, d, args.heads_per_rank, B, mode,
-                                                         name, rate, shared, cuda, *tilings[op][B - 1],
+                                                         name, rate, shared, cuda, *tilings[op][max(B, 1) - 1],
                                                          args.dtype, args.iters, op, args.query_dim,
                                                          args.query_dtype, args.metadata,
-                                                         tilings["gather_pulled"][B - 1]))
+                                                         tilings["gather_pulled"][max(B, 1) - 1]))
                                         _progress(rows, total, where, start, tty)
                 finally:
                     w.close()
@@ -439,7 +440,8 @@ def main(argv=None) -> None:
     try:
         from .plot import plot
 
-        plots = "plot " + ", ".join(plot(path, args.out))
+        drawn = plot(path, args.out)
+        plots = "plot " + ", ".join(drawn) if drawn else "no plot (B = 0 alone has no place on its log axis)"
     except ImportError:
         plots = "no plot (matplotlib missing: pip install matplotlib)"
     print(format_table(rows))
@@ -634,7 +636,8 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
                            getattr(torch, dtype).itemsize, gather_pulled)
     nan = float("nan")
     sliced = cuda and shared and not mps_on  # the GPU time-slices the ranks' processes
-    floor_us = floor / rate * 1e6 if cuda and not sliced else nan
+    floor_us = floor / rate * 1e6 if cuda and not sliced and floor else nan  # (no floor for no bytes: B = 0)
+    med = worst["median_us"] or nan  # (a point that launches nothing, NCCL's at B = 0, may time 0)
     return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, timesliced=sliced or None,
                 head_dim=d, op=op,
                 query_dim=query_dim, query_dtype=query_dtype,
@@ -645,9 +648,9 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
                 loop_us=max(r["loop_us"] for r in res), held=all(r["held"] for r in res) if cuda else None,
                 iters=iters, steps_per_hold=min(r["steps_per_hold"] for r in res),
                 # (without a GPU: no bandwidth of a transport, and the host time is the call itself)
-                algbw_GBps=size / worst["median_us"] / 1e3 if cuda else nan,
-                busbw_GBps=size / worst["median_us"] / 1e3 * (n - 1) / n if cuda else nan,
-                floor_us=floor_us, floor_frac=floor_us / worst["median_us"],
+                algbw_GBps=size / med / 1e3 if cuda else nan,
+                busbw_GBps=size / med / 1e3 * (n - 1) / n if cuda else nan,
+                floor_us=floor_us, floor_frac=floor_us / med,
                 host_us=max(r["host_us"] for r in res) if cuda else nan,
                 host_loop_us=max(r["host_loop_us"] for r in res) if cuda else nan,
                 max_rel_err=max(r["max_rel_err"] for r in res),
@@ -656,9 +659,10 @@ def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_
 
 def _fill_speedups(rows: list) -> None:
     """baseline_us and speedup (the baseline's time / this time) on the rows of every point where the
-    nccl backend ran (the baseline, named by its process group's backend: nccl, or gloo)."""
+    nccl backend ran (the baseline, named by its process group's backend: nccl, or gloo). None at
+    B = 0: NCCL's path then exchanges nothing, so there is no call to compare with."""
     point = lambda r: (r["world"], r["head_dim"], r["B"], r["mode"], r.get("op", "combine"))
-    baseline = {point(r): r["median_us"] for r in rows if r["backend"] in BASELINES}
+    baseline = {point(r): r["median_us"] for r in rows if r["backend"] in BASELINES and r["B"] > 0}
     for r in rows:
         t = baseline.get(point(r))
         if t is not None:

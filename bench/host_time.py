@@ -67,6 +67,8 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     finally:
         t.by_size[KIND_COMBINE][B - 1] = (fused, grid)
     entry = fused.bound(*caught[0])  # (None on the CPU: nothing is compiled there)
+    # (every rank must run the same steps: a GPU's communicator loads this variant when it is built)
+    assert entry is not None or not cuda, "the combine's variant is not loaded"
     steps = {
         "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
         HELD_STEP: lambda: comm.lse_reduce(po, pl, out=y),

@@ -162,7 +162,7 @@ class Launcher:
     def bound(self, variant: tuple, grid: int, tensors: tuple, *scalars) -> Optional[functools.partial]:
         """A launch of a loaded variant through the launcher's entry point, its arguments (stream and
         pointers too) read now: the floor of a launch from Python, for ``bench.host_time``. None
-        where no variant is loaded (CPU tensors)."""
+        where the variant is not loaded (never on CPU tensors: the interpreter runs them)."""
         hit = self.compiled.get(variant)
         if hit is None:
             return None

@@ -114,14 +114,22 @@ def test_bench_rejects_sizes_below_one(capsys):
 def test_bench_times_a_call_of_no_work(tmp_path):
     """--batch 0: every op runs a call that moves nothing (the protocol's fixed cost, issue 46),
     beside B = 1 in the same run; rows of no bytes, nothing to differ from the reference."""
-    proc = subprocess.run([sys.executable, "-m", "bench", "--world-size", "2", "--batch", "0", "1", "--iters", "1",
-                           "--op", "combine", "gather", "layer", "--metadata", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "bench", "--world-size", "2", "--batch", "0", "1", "40", "--iters",
+                           "1", "--op", "combine", "gather", "layer", "--metadata", "--backends", "triton", "nccl",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text(), parse_constant=_no_nan)[-1]["rows"]
-    assert [(r["B"], r["op"]) for r in rows] == [(b, op) for b in (0, 1) for op in ("combine", "gather", "layer")]
-    assert all(r["size_bytes"] == 0 and r["max_rel_err"] == 0 and r["median_us"] > 0 for r in rows[:3]), rows[:3]
-    assert all(r["size_bytes"] > 0 for r in rows[3:])
+    ops = ("combine", "gather", "layer")
+    assert [(r["backend"], r["B"], r["op"]) for r in rows] == [
+        (backend, b, op) for backend in ("triton", "gloo") for b in (0, 1, 40) for op in ops]
+    none, one, many = rows[:3], rows[3:6], rows[6:9]
+    assert all(r["size_bytes"] == 0 and r["max_rel_err"] == 0 and r["median_us"] > 0 for r in none), none
+    assert all(r["size_bytes"] > 0 for r in one + many)
+    # a call of no work runs the tiling of B = 1 (here unlike B = 40's), and NCCL's path exchanges
+    # nothing then: no speedup to give
+    assert [r["num_warps"] for r in none] == [r["num_warps"] for r in one] != [r["num_warps"] for r in many]
+    assert all(r["speedup"] is None and r["baseline_us"] is None for r in none)
+    assert all(r["speedup"] > 0 for r in one + many)
 
 
 def test_csv_rows_stay_under_their_columns(tmp_path):

@@ -113,6 +113,7 @@ def test_a_timeout_after_a_tile_that_arrived_is_recorded(worlds):
     res = w.run(rc.timeout_after_a_tile_that_arrived, "gap", 16, 1, timeout=120)
     assert res[1]["flags"] >= 2, res  # rank 1 published more than one tile: the plant took
     assert all(r.get("missing") == [1] for r in res), res
+    assert all(", tile 1;" in r["message"] for r in res), res  # (not tile 0: a late rank would fail there)
     w.run(rc.close_comm, "gap")
 
 
