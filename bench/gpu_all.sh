@@ -18,7 +18,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 [ "${GPU_ALL_BENCH:-1}" = 0 ] && exit 0
 python3 -m bench.host_time 2>&1 | tee "$OUT/host_time.log" | sed -n 1,9p
 python3 -m bench.trace --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -10
-python3 -m bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+# The sweep without metadata (a plain run passes it by default), then with it: the rows beside each other.
+python3 -m bench --out "$OUT" "$@" --no-metadata 2>&1 | tee "$OUT/bench.log" | tail -40
 # The same sweep with vLLM's batch metadata on every combine, the path its MLA layers call (the
 # gather takes none): rows marked meta in the same results.
 python3 -m bench --out "$OUT" "$@" --metadata --op combine layer 2>&1 | tee "$OUT/bench_metadata.log" | tail -24
