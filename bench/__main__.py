@@ -55,24 +55,21 @@ def _sh(cmd: str) -> str:
         return ""
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+def _at_least(low: int, what: str):
+    """An argparse type: an integer of at least ``low``, else the error names ``what`` it expected."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+    return parse
 
 
-def _tokens(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
-    return value
+_positive = _at_least(1, "a positive integer")
+_tokens = _at_least(0, "a non-negative integer")
 
 
 def _group_size(text: str) -> int:
