@@ -6,8 +6,9 @@ transport (the push and the pull) over a ladder of call sizes (``measure``), the
 exchange their tables, and each derives the same plan from the same numbers (``choose``): for each
 collective and measured size, the candidate whose slowest rank was fastest. Where that sends a
 size's gather and combine to different transports, a layer (the gather, then the combine) is timed
-on each transport alone and that way, and the fastest of those serves both (``layer_points``): on
-one H200 a pulled gather and a pushed combine took 1.18x the pull alone. Every rank therefore sends
+on each transport alone and that way (``layer_points``): on one H200 a pulled gather and a pushed
+combine took 1.18x the pull alone. Where the mix is as fast as the fastest layer, each collective
+keeps its own choice; else the fastest layer's transports serve both. Every rank therefore sends
 a call of a given size to the same transport, whatever its own clock said.
 """
 
@@ -137,7 +138,9 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
     r): at each size, each candidate's time is its slowest rank's, and the fastest wins (ties within
     ``TIE`` to the earlier candidate). ``candidates`` in order of preference, none left out.
     ``layer_tables[r][(LAYER, gather's, combine's, size)]``: where a size's two choices differ and
-    its layers were timed, the fastest layer decides both (ties in ``_layer_pairs``' order)."""
+    its layers were timed, they stand if the mixed layer is within ``TIE`` of the fastest layer (a
+    collective called alone then keeps its own faster transport); else the fastest layer decides
+    both (ties in ``_layer_pairs``' order)."""
     slowest = lambda key, ts: max(t[key] for t in ts)  # noqa: E731
     choices = {kind: [] for kind in KINDS}
     layers, overruled = {}, set()
@@ -152,7 +155,7 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
         if mix[0] != mix[1] and layer_tables and all((LAYER, *p, b) in t for p in pairs for t in layer_tables):
             times = {p: slowest((LAYER, *p, b), layer_tables) for p in pairs}
             best = min(times.values())
-            g, c = next(p for p in pairs if times[p] <= best * (1 + TIE))
+            g, c = next(p for p in [mix] + pairs if times[p] <= best * (1 + TIE))
             picked = {KIND_GATHER: (g, picked[KIND_GATHER][1]), KIND_COMBINE: (c, picked[KIND_COMBINE][1])}
             layers[b] = times
             overruled |= {(kind, b) for kind, name, was in ((KIND_GATHER, g, mix[0]), (KIND_COMBINE, c, mix[1]))
@@ -163,8 +166,8 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
 
 
 def _layer_pairs(mix: tuple, candidates: list) -> list:
-    """The layers that check a mixed size, in order of preference: each candidate alone (one
-    transport, the most proven first), then the mix (gather's transport, combine's)."""
+    """The layers that check a mixed size: each candidate alone (one transport, the most proven
+    first: the order of preference where the mix lost), then the mix (gather's transport, combine's)."""
     return [(name, name) for name in candidates] + [mix]
 
 
