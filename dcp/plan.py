@@ -24,9 +24,15 @@ from dcp.rendezvous import all_gather
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
 LAYER = "layer"  # a layer's key in a table: (LAYER, gather's transport, combine's transport, size)
-# Within this fraction of the fastest, the earlier candidate wins: the push before the pull (the
-# most proven).
-TIE = 0.02
+# Within this fraction of the fastest, or this many us, the earlier candidate wins: the push before
+# the pull (the most proven). The us: at small calls the plan's eager timing disagreed with graph
+# replays by up to 0.9 us on one H200, where the push won every graph8 combine from B = 1 to 8
+# (docs/design.md, section 5.11).
+TIE, TIE_US = 0.02, 1.0
+
+
+def _ties(t: float, best: float) -> bool:
+    return t <= max(best * (1 + TIE), best + TIE_US)
 
 
 def ladder(max_tokens: int) -> list:
@@ -136,9 +142,9 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
            layer_tables: Optional[list] = None) -> Plan:
     """The plan from every rank's table (``tables[r][(candidate, kind, size)]``: us per call on rank
     r): at each size, each candidate's time is its slowest rank's, and the fastest wins (ties within
-    ``TIE`` to the earlier candidate). ``candidates`` in order of preference, none left out.
+    ``TIE`` or ``TIE_US`` to the earlier candidate). ``candidates`` in order of preference, none left out.
     ``layer_tables[r][(LAYER, gather's, combine's, size)]``: where a size's two choices differ and
-    its layers were timed, they stand if the mixed layer is within ``TIE`` of the fastest layer (a
+    its layers were timed, they stand if the mixed layer ties with the fastest layer (a
     collective called alone then keeps its own faster transport); else the fastest layer decides
     both (ties in ``_layer_pairs``' order)."""
     slowest = lambda key, ts: max(t[key] for t in ts)  # noqa: E731
@@ -149,13 +155,13 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
         for kind in KINDS:
             times = {name: slowest((name, kind, b), tables) for name in candidates}
             best = min(times.values())
-            picked[kind] = next(name for name in candidates if times[name] <= best * (1 + TIE)), times
+            picked[kind] = next(name for name in candidates if _ties(times[name], best)), times
         mix = picked[KIND_GATHER][0], picked[KIND_COMBINE][0]
         pairs = _layer_pairs(mix, candidates)
         if mix[0] != mix[1] and layer_tables and all((LAYER, *p, b) in t for p in pairs for t in layer_tables):
             times = {p: slowest((LAYER, *p, b), layer_tables) for p in pairs}
             best = min(times.values())
-            g, c = next(p for p in [mix] + pairs if times[p] <= best * (1 + TIE))
+            g, c = next(p for p in [mix] + pairs if _ties(times[p], best))
             picked = {KIND_GATHER: (g, picked[KIND_GATHER][1]), KIND_COMBINE: (c, picked[KIND_COMBINE][1])}
             layers[b] = times
             overruled |= {(kind, b) for kind, name, was in ((KIND_GATHER, g, mix[0]), (KIND_COMBINE, c, mix[1]))

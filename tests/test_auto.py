@@ -38,21 +38,26 @@ MIXED = _table({(KIND_COMBINE, 1): (10, 5), (KIND_COMBINE, 2): (10, 30),
 
 def test_ladder_and_plan_rules():
     assert ladder(1) == [1] and ladder(2) == [1, 2] and ladder(6) == [1, 2, 4, 6] and ladder(8) == [1, 2, 4, 8]
-    t = {(n, k, b): 10.0 for n in CANDIDATES for k in (KIND_COMBINE, KIND_GATHER) for b in (1, 2, 4)}
+    t = {(n, k, b): 100.0 for n in CANDIDATES for k in (KIND_COMBINE, KIND_GATHER) for b in (1, 2, 4)}
     # a tie within 2% goes to the earlier candidate; the slowest rank decides
-    fast = t | {("pull", KIND_COMBINE, 4): 9.9, ("pull", KIND_GATHER, 2): 5.0}
-    slow_rank = t | {("pull", KIND_GATHER, 2): 11.0}
+    fast = t | {("pull", KIND_COMBINE, 4): 98.1, ("pull", KIND_GATHER, 2): 50.0}
+    slow_rank = t | {("pull", KIND_GATHER, 2): 110.0}
     plan = choose([fast, slow_rank], CANDIDATES, [1, 2, 4], {"x": "why"}, 4, 0.1)
     assert plan.by_size[KIND_COMBINE] == ["triton"] * 5
     assert plan.by_size[KIND_GATHER] == ["triton"] * 5
-    plan = choose([t | {("pull", KIND_COMBINE, 4): 9.0}], CANDIDATES, [1, 2, 4], {}, 4, 0.1)
+    # and so does one within 1 us (small calls): 0.9 us of 5 ties, 1.1 does not
+    small = {(n, k, b): 5.0 for n in CANDIDATES for k in (KIND_COMBINE, KIND_GATHER) for b in (1, 2, 4)}
+    plan = choose([small | {("pull", KIND_COMBINE, 1): 4.1, ("pull", KIND_GATHER, 1): 3.9}], CANDIDATES, [1, 2, 4],
+                  {}, 4, 0.1)
+    assert plan.by_size[KIND_COMBINE][1] == "triton" and plan.by_size[KIND_GATHER][1] == "pull", plan.by_size
+    plan = choose([t | {("pull", KIND_COMBINE, 4): 90.0}], CANDIDATES, [1, 2, 4], {}, 4, 0.1)
     assert plan.by_size[KIND_COMBINE] == ["triton", "triton", "triton", "pull", "pull"]
     assert plan.transport(KIND_COMBINE, 3) == "pull" and plan.transport(KIND_COMBINE, 1000) == "pull"
     assert plan.transport(KIND_COMBINE, 0) == "triton" and plan.transports == ["triton", "pull"]
     routes = [(r.kind, r.lo, r.hi, r.transport) for r in plan.routes]
     assert routes == [("combine", 1, 2, "triton"), ("combine", 3, None, "pull"), ("gather", 1, None, "triton")]
     text = str(plan)
-    assert "combine B 3-" not in text and "B >= 3" in text and "pull 9.0" in text, text
+    assert "combine B 3-" not in text and "B >= 3" in text and "pull 90.0" in text, text
     assert isinstance(plan, Plan) and "combine B 1-2: triton" in plan.summary()
 
 
