@@ -4,7 +4,7 @@
 # Runs under the CUDA MPS daemon (started here, stopped on exit) so that rank processes sharing one
 # GPU run concurrently. Usage: bash bench/gpu_all.sh [extra `python -m bench` arguments]
 # GPU_ALL_TESTS=0 or GPU_ALL_BENCH=0 leaves out one half (to fit a device's per-call limit);
-# PYTEST_ARGS adds pytest arguments, split as a shell would (PYTEST_ARGS='-k "not graphs"').
+# PYTEST_ARGS adds pytest arguments, quoted as in a shell (PYTEST_ARGS='-k "not graphs"').
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DCP_GIT_COMMIT="${DCP_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"  # the device copy has no .git: pass it in
@@ -14,8 +14,10 @@ export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -
 nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
-[ "${GPU_ALL_TESTS:-1}" = 0 ] || PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} ${PYTEST_ARGS:-}" \
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA -s --timeout 900 --durations=25 2>&1 \
+# (split by Python's shlex, so quotes group; appended last, so they override the options before them)
+mapfile -t extra < <(python3 -c 'import os, shlex; [print(a) for a in shlex.split(os.environ.get("PYTEST_ARGS", ""))]')
+[ "${GPU_ALL_TESTS:-1}" = 0 ] || python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA -s --timeout 900 --durations=25 \
+  "${extra[@]}" 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^soak|Error:|assert" | tail -40
 [ "${GPU_ALL_BENCH:-1}" = 0 ] && exit 0
 python3 -m bench.host_time 2>&1 | tee "$OUT/host_time.log" | sed -n 1,9p

@@ -24,10 +24,11 @@ from dcp.rendezvous import all_gather
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
 LAYER = "layer"  # a layer's key in a table: (LAYER, gather's transport, combine's transport, size)
-# Within this fraction of the fastest, or this many us, the earlier candidate wins: the push before
-# the pull (the most proven). The us: at small calls the plan's eager timing disagreed with graph
-# replays by up to 0.9 us on one H200, where the push won every graph8 combine from B = 1 to 8
-# (docs/design.md, section 5.11).
+# Within this fraction of the fastest, or this many us, a time ties with it: of the collectives' own
+# choices the push wins a tie (the most proven), of the layers the mix (``choose``). The us: at
+# small calls the plan's eager timing disagreed with graph replays by up to 0.9 us on one H200,
+# where the push won every graph8 combine from B = 1 to 8 (docs/design.md, section 5.11); the
+# layers take the same rule, not measured apart.
 TIE, TIE_US = 0.02, 1.0
 
 

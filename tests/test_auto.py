@@ -63,9 +63,9 @@ def test_ladder_and_plan_rules():
 
 def test_a_layer_decides_where_the_collectives_mix():
     """Where a size's gather and combine go to different transports, a layer is timed on each
-    alone and that way (``layer_points``). The mix stands where it is within 2% of the fastest layer
-    (each collective called alone keeps its faster transport); else the fastest layer (slowest
-    rank's; within 2% a transport alone, the push first) serves both."""
+    alone and that way (``layer_points``). The mix stands where it ties with the fastest layer
+    (within 2% or 1 us: each collective called alone keeps its faster transport); else the fastest
+    layer (slowest rank's; ties to a transport alone, the push first) serves both."""
     ops = dict(MIXED[:8])
     plan = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1)
     assert plan.mixed_sizes() == [1, 2] and not plan.layers and not plan.overruled
@@ -89,6 +89,11 @@ def test_a_layer_decides_where_the_collectives_mix():
     alone = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [fast | dict(_layers({2: (102.1, 100, 100)}))])
     assert not alone.mixed_sizes() and alone.overruled == {(KIND_GATHER, 1), (KIND_GATHER, 2)}, alone.by_size
     assert alone.by_size[KIND_GATHER] == ["pull", "pull", "triton"], alone.by_size
+    # within 1 us of the fastest layer (though 8% behind it), the mix stands too; 1.1 us behind, not
+    small = dict(_layers({1: (20, 30, 10), 2: (10.8, 10, 12)}))
+    assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [small]).mixed_sizes() == [2]
+    small[(LAYER, "pull", "triton", 2)] = 11.1
+    assert not choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [small]).mixed_sizes()
     # within 2% of a transport alone, though not the fastest: the mix stands
     near = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [fast | dict(_layers({2: (101.9, 100, 110)}))])
     assert near.mixed_sizes() == [2] and near.overruled == {(KIND_GATHER, 1)}, near.by_size
