@@ -33,7 +33,7 @@ def measure_plan(group: dist.ProcessGroup, config: Config, transports: dict, lef
         y16 = torch.empty((mt, config.num_heads, config.query_words), dtype=torch.int16, device=dev)
         calls = {KIND_COMBINE: (launch_operands(po, lse, y, None), po, lse, y),
                  KIND_GATHER: (gather_operands(q16, y16), q16, lse[:1, :1], y16)}
-        timer = auto_plan.CudaTimer(dev) if cuda else auto_plan.HostTimer()
+        timer = auto_plan.GraphTimer(dev) if cuda else auto_plan.HostTimer()
     except Exception as exc:  # reported to every rank by agree()
         error = f"{type(exc).__name__}: {exc}"
     agree(group, error, "auto: preparing the measurement")
@@ -62,8 +62,8 @@ def measure_plan(group: dist.ProcessGroup, config: Config, transports: dict, lef
     runs = {name: runner(t) for name, t in transports.items()}
 
     def timed(points: list) -> tuple:
-        table, failed = auto_plan.measure(runs, failure, points, timer, warm=1 if cuda else 0,
-                                          reps=8 if cuda else 1, rounds=2 if cuda else 1)
+        table, failed = auto_plan.measure(runs, failure, points, timer, warm=2 if cuda else 0,
+                                          reps=8 if cuda else 1, rounds=3 if cuda else 1)
         if cuda:
             torch.cuda.synchronize(dev)
         return table, failed, time.perf_counter() - t0

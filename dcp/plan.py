@@ -220,13 +220,13 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
     ``points``: ``[(key, calls, size)]`` (``op_points``, ``layer_points``), a step being ``calls``
     ``((candidate, kind), ...)`` issued in order; ``runs[candidate](kind, size)`` issues one call
     (every rank issues the same calls in the same order); ``failure(candidate)`` reads a
-    candidate's recorded failure after them. ``timer``: ``hold()`` before the warm steps (which
-    also line the ranks up), ``start()`` after them and ``stop(reps)`` -> us per step.
-    A candidate that raises is not called here again (the others' calls go on, the same on every
-    rank), and it is left out on every rank. Its run should announce the failed call, so that the
-    peers' call fails at once: on the timeout (bounded waits), their next calls on another
-    candidate would start a timeout after this rank's and fail too. Each point is the best of
-    ``rounds``.
+    candidate's recorded failure after them. Of a point's ``warm`` steps the first runs at once
+    (it lines the ranks up, and a call that raises does so outside any capture); then
+    ``timer.best(step, warm - 1, reps, rounds)`` times it: us per step, the best of ``rounds`` runs
+    of ``reps`` steps, each behind the other warm steps. A candidate that raises is not called here again (the others' calls go on, the
+    same on every rank), and it is left out on every rank. Its run should announce the failed call,
+    so that the peers' call fails at once: on the timeout (bounded waits), their next calls on
+    another candidate would start a timeout after this rank's and fail too.
     """
     table, failed = {}, {}
 
@@ -241,16 +241,14 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
     for key, calls, b in points:
         if all(name in failed for name, _ in calls):
             continue
-        best = float("inf")
-        for _ in range(rounds):
-            timer.hold()
-            for _ in range(warm):
-                step(calls, b)
-            timer.start()
-            for _ in range(reps):
-                step(calls, b)
-            best = min(best, timer.stop(reps))
-        table[key + (b,)] = best
+        if warm:
+            step(calls, b)
+            if all(name in failed for name, _ in calls):
+                continue
+        try:
+            table[key + (b,)] = timer.best(lambda: step(calls, b), max(warm - 1, 0), reps, rounds)
+        except Exception as exc:  # the timer itself (a capture refused): the point's candidates are out
+            failed.update({name: f"timing: {type(exc).__name__}: {exc}" for name, _ in calls if name not in failed})
     for name in dict.fromkeys(name for _, calls, _ in points for name, _ in calls):
         if name in failed:
             continue
@@ -263,40 +261,71 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
 class HostTimer:
     """Wall time of synchronous calls (Triton's interpreter)."""
 
-    def hold(self) -> None:
-        pass
+    def best(self, step: Callable[[], None], warm: int, reps: int, rounds: int) -> float:
+        best = float("inf")
+        for _ in range(rounds):
+            for _ in range(warm):
+                step()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                step()
+            best = min(best, (time.perf_counter() - t0) * 1e6 / reps)
+        return best
 
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
 
-    def stop(self, reps: int) -> float:
-        return (time.perf_counter() - self.t0) * 1e6 / reps
-
-
-class CudaTimer:
-    """Device time between two events on the device's current stream. ``hold()`` first occupies
-    the stream for ``hold_us`` (``torch.cuda._sleep``) while the host queues the calls behind it, so
-    that the events time the calls, not how fast the host launches them."""
+class GraphTimer:
+    """Device time per step of ``reps`` steps captured in one CUDA graph, as a served model's decode
+    and the benchmark's graph8 mode run them: eager launches had the plan disagree with graph
+    replays at small calls (docs/design.md, section 5.11). Each round first occupies the stream for
+    ``hold_us`` (``torch.cuda._sleep``) while the host queues the rest, then replays the ``warm``
+    steps' graph (its first call waits for every peer: the ranks start the timed replay together),
+    then the timed one between two events."""
 
     def __init__(self, device: torch.device, hold_us: float = 1000.0):
         self.device, self.stream = device, torch.cuda.current_stream(device)
+        self.side = torch.cuda.Stream(device)
         self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cycles = 1 << 20
+        self.hold_cycles = 1 << 20
         self.a.record(self.stream)
-        self.hold_cycles = cycles
-        self.hold()
+        self._hold()
         self.b.record(self.stream)
         self.b.synchronize()
-        self.hold_cycles = int(cycles / (self.a.elapsed_time(self.b) * 1e3) * hold_us)
+        self.hold_cycles = int(self.hold_cycles / (self.a.elapsed_time(self.b) * 1e3) * hold_us)
 
-    def hold(self) -> None:
+    def _hold(self) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             torch.cuda._sleep(self.hold_cycles)
 
-    def start(self) -> None:
-        self.a.record(self.stream)
+    def _capture(self, step: Callable[[], None], n: int) -> "torch.cuda.CUDAGraph":
+        # capture_begin itself, not torch.cuda.graph: that one collects garbage and empties the cache
+        # on every entry. Our calls allocate nothing, so the graph's private pool stays empty.
+        graph = torch.cuda.CUDAGraph()
+        self.side.wait_stream(self.stream)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(n):
+                    step()
+            finally:
+                graph.capture_end()
+        self.stream.wait_stream(self.side)
+        return graph
 
-    def stop(self, reps: int) -> float:
-        self.b.record(self.stream)
-        self.b.synchronize()
-        return self.a.elapsed_time(self.b) * 1e3 / reps
+    def best(self, step: Callable[[], None], warm: int, reps: int, rounds: int) -> float:
+        graphs = [self._capture(step, n) for n in (warm, reps) if n]
+        best = float("inf")
+        try:
+            for _ in range(rounds):
+                self._hold()
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    for graph in graphs[:-1]:
+                        graph.replay()
+                    self.a.record(self.stream)
+                    graphs[-1].replay()
+                    self.b.record(self.stream)
+                self.b.synchronize()
+                best = min(best, self.a.elapsed_time(self.b) * 1e3 / reps)
+        finally:
+            for graph in graphs:
+                graph.reset()
+        return best

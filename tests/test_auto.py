@@ -5,6 +5,7 @@ some make a candidate fail while measured."""
 import re
 
 import pytest
+import torch
 
 from dcp.constants import KIND_COMBINE, KIND_GATHER
 from dcp.protocol import POISONED_NOTE
@@ -106,6 +107,62 @@ def test_a_layer_decides_where_the_collectives_mix():
     # no layer times for a size (or none on one rank): its two choices stand
     assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1, [dict(_layers({2: (1, 2, 3)}))]).mixed_sizes() == [1, 2]
     assert choose([ops, ops], CANDIDATES, [1, 2], {}, 2, 0.1, [fast, {}]).mixed_sizes() == [1, 2]
+
+
+def test_measure_runs_a_first_step_before_the_timer_and_survives_a_refused_timing():
+    """``measure``: each point's first warm step runs before the timer sees it (a raise then
+    happens outside any capture), the timer gets the rest of the warm steps; a timer that raises
+    (a capture refused) leaves that point's candidates out, and the other points are still timed."""
+    calls = []
+
+    class Timer:
+        def best(self, step, warm, reps, rounds):
+            calls.append(("timer", warm, reps, rounds))
+            if len([c for c in calls if c[0] == "timer"]) == 2:
+                raise RuntimeError("capture refused")
+            for _ in range(warm + reps):
+                step()
+            return 7.0
+
+    runs = {name: (lambda name: lambda kind, b: calls.append((name, kind, b)))(name) for name in CANDIDATES}
+    table, failed = measure(runs, lambda name: None, op_points(CANDIDATES, [1]), Timer(), warm=3, reps=4, rounds=5)
+    assert calls[0] == ("triton", KIND_COMBINE, 1) and calls[1] == ("timer", 2, 4, 5), calls[:2]
+    assert list(failed) == ["triton"] and "timing: RuntimeError: capture refused" in failed["triton"], failed
+    # the pull's two points: one eager step each, then the timer's 2 + 4
+    assert [c for c in calls if c[0] == "pull"] == [("pull", KIND_COMBINE, 1)] * 7 + [("pull", KIND_GATHER, 1)] * 7
+    assert table == {("triton", KIND_COMBINE, 1): 7.0, ("pull", KIND_COMBINE, 1): 7.0,
+                     ("pull", KIND_GATHER, 1): 7.0}, table
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_timer_replays_what_it_captured_and_times_it():
+    """``GraphTimer``: the step runs on the host only while captured (warm + reps times), every
+    round replays both graphs (a counter on the device), and a step of known length times as such
+    (against events around the same sleep run eagerly)."""
+    from dcp.plan import GraphTimer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    timer, x, host = GraphTimer(dev), torch.zeros(1, device=dev), [0]
+    cycles = 1 << 18
+
+    def step():
+        host[0] += 1
+        x.add_(1)
+        torch.cuda._sleep(cycles)
+    us = timer.best(step, 2, 4, 3)
+    torch.cuda.synchronize()
+    assert host[0] == 2 + 4 and x.item() == (2 + 4) * 3, (host, x.item())
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1 << 22)  # the host queues the four steps before they run
+    a.record()
+    for _ in range(4):
+        step()
+    b.record()
+    b.synchronize()
+    eager = a.elapsed_time(b) * 1e3 / 4
+    print(f"graph {us:.1f} us per step, eager {eager:.1f}")
+    assert eager > 20 and 0.8 * eager < us < 1.1 * eager, (us, eager)
 
 
 def test_measure_keeps_the_other_candidates_calls_when_one_fails():
