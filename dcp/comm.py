@@ -138,6 +138,11 @@ class DcpAllToAll:
         # kind -> the transport of each call size, index min(B, max_tokens)
         self._routes = {kind: [self._transports[name] for name in self.plan.by_size[kind]] if self.plan
                         else [self._transport] * (c.max_tokens + 1) for kind in layouts}
+        # A combine's route where it does not follow a gather of its size; per channel, the B of its
+        # last call if that was a gather, else -1.
+        self._alone = [self._transports[name] for name in self.plan.combine_alone] if self.plan \
+            else self._routes[KIND_COMBINE]
+        self._gathered = [-1] * c.channels
         # The one transport every call takes, where there is one: calls then skip the routing.
         self._only = self._transport if len(self._transports) == 1 else None
         self._geometry = (c.heads_per_rank, c.num_heads, c.head_dim, c.device, c.dtype)
@@ -271,7 +276,6 @@ class DcpAllToAll:
             for c in range(self.channels):
                 self._host_poison.setdefault(c, f"a call named channel {channel!r}, which does not exist")
             raise ValueError(f"channel: expected an integer in [0, {self.channels}), got {channel!r}")
-        transport = self._only or self._route(kind, first)
         busy = self._busy[channel]
         if not busy.acquire(blocking=False):
             self._check_open()
@@ -279,6 +283,7 @@ class DcpAllToAll:
             self._host_poison.setdefault(channel, "two threads called on it at once")
             raise DcpError(f"channel {channel} is busy: another thread of this process is inside a call on "
                            f"it (calls that may run concurrently need channels of their own); {POISONED_NOTE}")
+        transport = self._only or self._route(kind, first, channel)
         error = self._channel_error(channel)
         if error is not None:
             try:
@@ -293,13 +298,17 @@ class DcpAllToAll:
             return DcpError(f"channel {channel} is poisoned: {self._host_poison[channel]}; {POISONED_NOTE}")
         return self._device_error(channel)
 
-    def _route(self, kind: int, first) -> object:
-        """The plan's transport for a call whose first argument is ``first`` (by its B)."""
-        routes = self._routes[kind]
+    def _route(self, kind: int, first, channel: int) -> object:
+        """The plan's transport for a call whose first argument is ``first`` (by its B); a combine
+        right after a gather of its B on the channel (a layer) takes the layer's, any other its own.
+        Every rank makes the same calls on a channel (rejected ones announce themselves), so every
+        rank routes alike."""
         try:
-            return routes[min(first.shape[0], self.max_tokens)]
+            n = min(first.shape[0], self.max_tokens)
         except Exception:  # no first dimension (not a tensor, or 0-d): rejected later, on the smallest calls' route
-            return routes[1]
+            n = 1
+        after, self._gathered[channel] = self._gathered[channel], n if kind == KIND_GATHER else -1
+        return (self._routes[kind] if kind == KIND_GATHER or after == n else self._alone)[n]
 
     def _device_error(self, channel: int) -> Optional[DcpError]:
         """The first recorded failure of a channel in any transport in use (host reads)."""

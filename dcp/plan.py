@@ -8,8 +8,10 @@ collective and measured size, the candidate whose slowest rank was fastest. Wher
 size's gather and combine to different transports, a layer (the gather, then the combine) is timed
 on each transport alone and that way (``layer_points``): on one H200 a pulled gather and a pushed
 combine took 1.18x the pull alone. Where the mix is as fast as the fastest layer, each collective
-keeps its own choice; else the fastest layer's transports serve both. Every rank therefore sends
-a call of a given size to the same transport, whatever its own clock said.
+keeps its own choice; else the fastest layer's transports serve both within a layer, and a
+combine that does not follow a gather of its size (``combine_alone``: a FlashAttention layer's)
+keeps its own. Every rank therefore sends a call of a given size, after the same calls, to the
+same transport, whatever its own clock said.
 """
 
 import time
@@ -24,6 +26,7 @@ from dcp.rendezvous import all_gather
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
 LAYER = "layer"  # a layer's key in a table: (LAYER, gather's transport, combine's transport, size)
+ALONE = "combine alone"  # the routes of combines that do not follow a gather of their size
 # Within this fraction of the fastest, or this many us, a time ties with it: of the collectives' own
 # choices the push wins a tie (the most proven), of the layers the mix (``choose``). Timed in graphs,
 # the plan's figures came within about 0.5 us (1%) of the benchmark's graph8 medians on one H200
@@ -60,22 +63,27 @@ class Plan:
     timed and the (kind, size) whose choice they changed (``overruled``)."""
 
     def __init__(self, max_tokens: int, choices: dict, left_out: dict, seconds: float, candidates: list,
-                 tables: list, sizes: list, layers: dict, overruled: set):
+                 tables: list, sizes: list, layers: dict, overruled: set, alone: Optional[list] = None):
         """``choices``: kind -> [(size, transport, {candidate: us})] by increasing size; ``candidates``,
         ``tables`` and ``sizes``: what ``choose`` decided from; ``layers``: size -> {(gather's
-        transport, combine's transport): us} where layers were timed."""
+        transport, combine's transport): us} where layers were timed; ``alone``: the combine's own
+        choices, in the form of ``choices``' (default: its choices)."""
         self.max_tokens, self.left_out, self.seconds = max_tokens, dict(left_out), seconds
         self._choices, self.candidates, self.tables, self.sizes = choices, candidates, tables, sizes
         self.layers, self.overruled = layers, overruled
+        self._alone = alone if alone is not None else choices[KIND_COMBINE]
         # kind -> transport by call size, index 0 (B = 0) to max_tokens: the smallest measured size >= B.
-        self.by_size = {}
-        for kind, points in choices.items():
-            names, i = [], 0
-            for b in range(max_tokens + 1):
-                while points[i][0] < b:
-                    i += 1
-                names.append(points[i][1])
-            self.by_size[kind] = names
+        self.by_size = {kind: self._by_size(points) for kind, points in choices.items()}
+        # A combine that does not follow a gather of its size (no layer): its own choice.
+        self.combine_alone = self._by_size(self._alone)
+
+    def _by_size(self, points: list) -> list:
+        names, i = [], 0
+        for b in range(self.max_tokens + 1):
+            while points[i][0] < b:
+                i += 1
+            names.append(points[i][1])
+        return names
 
     def times(self, kind: int) -> list:
         """Every measured size of a collective: (size, the transport chosen, {candidate: us})."""
@@ -87,19 +95,24 @@ class Plan:
     @property
     def transports(self) -> list:
         """The transports some call size goes to, in the order they were candidates."""
-        used = {name for names in self.by_size.values() for name in names}
+        used = {name for names in [*self.by_size.values(), self.combine_alone] for name in names}
         return [name for name in self.candidates if name in used]
 
     @property
     def routes(self) -> list:
+        """Each collective's ranges of sizes and their transports; ``combine alone`` (a combine that
+        does not follow a gather of its size) only where a layer changed the combine's choice."""
+        kinds = [(KINDS[kind], points) for kind, points in self._choices.items()]
+        if self.combine_alone != self.by_size[KIND_COMBINE]:
+            kinds.append((ALONE, self._alone))
         out = []
-        for kind, points in self._choices.items():
+        for kind, points in kinds:
             lo = 1
             for i, (b, name, times) in enumerate(points):
                 last = i == len(points) - 1
                 if not last and points[i + 1][1] == name:
                     continue  # merged with the next size's route
-                out.append(Route(KINDS[kind], lo, None if last else b, name, b, times))
+                out.append(Route(kind, lo, None if last else b, name, b, times))
                 lo = b + 1
         return out
 
@@ -147,16 +160,17 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
     ``layer_tables[r][(LAYER, gather's, combine's, size)]``: where a size's two choices differ and
     its layers were timed, they stand if the mixed layer ties with the fastest layer (a
     collective called alone then keeps its own faster transport); else the fastest layer decides
-    both (ties in ``_layer_pairs``' order)."""
+    both (ties in ``_layer_pairs``' order), and the combine's own choice stays its route alone."""
     slowest = lambda key, ts: max(t[key] for t in ts)  # noqa: E731
     choices = {kind: [] for kind in KINDS}
-    layers, overruled = {}, set()
+    layers, overruled, alone = {}, set(), []
     for b in sizes:
         picked = {}
         for kind in KINDS:
             times = {name: slowest((name, kind, b), tables) for name in candidates}
             best = min(times.values())
             picked[kind] = next(name for name in candidates if _ties(times[name], best)), times
+        alone.append((b, *picked[KIND_COMBINE]))
         mix = picked[KIND_GATHER][0], picked[KIND_COMBINE][0]
         pairs = _layer_pairs(mix, candidates)
         if mix[0] != mix[1] and layer_tables and all((LAYER, *p, b) in t for p in pairs for t in layer_tables):
@@ -169,7 +183,7 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
                           if name != was}
         for kind in KINDS:
             choices[kind].append((b, *picked[kind]))
-    return Plan(max_tokens, choices, left_out, seconds, candidates, tables, sizes, layers, overruled)
+    return Plan(max_tokens, choices, left_out, seconds, candidates, tables, sizes, layers, overruled, alone)
 
 
 def _layer_pairs(mix: tuple, candidates: list) -> list:

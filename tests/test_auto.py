@@ -219,6 +219,43 @@ def test_auto_routes_each_size_to_its_transport(worlds):
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
 
 
+def test_a_combine_alone_keeps_its_own_transport_where_a_layer_overruled_it(worlds):
+    """B = 2: the combine alone is faster pushed, the gather pulled, and the pull alone is the
+    fastest layer, so within a layer both go to the pull (the combine right after a gather of its
+    size), and a combine after anything else keeps the push: on every rank alike, rejected calls
+    included, every result the reference's."""
+    n = 3
+    w = worlds(n)
+    tables = _table({(KIND_COMBINE, 1): (10, 5), (KIND_COMBINE, 2): (10, 30), (KIND_GATHER, 1): (10, 20),
+                     (KIND_GATHER, 2): (50, 40)}) + _layers({1: (15, 30, 25), 2: (90, 80, 70)})
+    res = w.run(ac.make_auto, "a", tables=[tables] * n, max_tokens=2, num_heads=2 * n, head_dim=16, query_dim=24)
+    assert all(r == res[0] for r in res) and res[0]["in_use"] == CANDIDATES, res
+    assert res[0]["by_size"][KIND_COMBINE] == ["pull", "pull", "pull"], res[0]
+    assert res[0]["by_size"][KIND_GATHER] == ["triton", "triton", "pull"], res[0]
+    assert "combine alone B >= 2       triton  (B = 2: triton 10.0  pull 30.0)" in res[0]["text"], res[0]["text"]
+    assert ("combine alone", 2, None, "triton") in [(r["kind"], r["lo"], r["hi"], r["transport"])
+                                                   for r in res[0]["plan"]["routes"]], res[0]["plan"]
+    seed = fresh_seed()
+    w.run(ac.counts, "a")  # (the constructor's loads)
+    steps = [("combine", 2, "triton"), ("gather", 2, "pull"), ("combine", 2, "pull"), ("combine", 2, "triton"),
+             ("gather", 1, "triton"), ("combine", 2, "triton"), ("gather", 2, "pull"), ("gather", 2, "pull"),
+             ("combine", 2, "pull"), ("combine", 1, "pull")]
+    for i, (op, B, route) in enumerate(steps):
+        if op == "gather":
+            w.run(gc.gather_case, "a", seed + i, B=B)
+        else:
+            w.run(rc.lse_case, "a", seed + i, B=B, return_lse=True)
+        launches = w.run(ac.counts, "a")
+        assert all(c == {name: int(name == route) for name in CANDIDATES} for c in launches), (i, op, B, launches)
+    # a combine rejected on one rank right after a gather of its size announces itself on the
+    # layer's route, where its peers' call went: they fail at once, naming it
+    w.run(gc.gather_case, "a", seed + 20, B=2)
+    out = w.run(lc.rejecting_rank, "a", seed + 21, bad_rank=2, B=2)
+    assert all("rank 2 rejected its call before launch" in r["first"] for r in out[:2]), out
+    w.run(rc.close_comm, "a")
+    assert w.run(rc.shm_segments, ranks=[0]) == [[]]
+
+
 def test_layers_timed_for_real_can_overrule_the_collectives(worlds):
     """The collectives' times made up (mixed at B = 1, 2), the layers' at B = 1 too (the push
     alone wins), B = 2's timed for real: every rank has the same plan, B = 1 goes to the push for
