@@ -4,6 +4,7 @@ modules of their own (``dcp.config``, ``dcp.protocol``, ``dcp.transports``, ``dc
 (``dcp.launch``) and launches on the transport its size is routed to."""
 
 import logging
+import operator
 import threading
 from datetime import timedelta
 from typing import Callable, Optional, Union
@@ -138,11 +139,10 @@ class DcpAllToAll:
         # kind -> the transport of each call size, index min(B, max_tokens)
         self._routes = {kind: [self._transports[name] for name in self.plan.by_size[kind]] if self.plan
                         else [self._transport] * (c.max_tokens + 1) for kind in layouts}
-        # A combine's route where it does not follow a gather of its size; per channel, the B of its
-        # last call if that was a gather, else -1.
+        # A combine's route where it does not follow a gather; per channel, whether its last call was one.
         self._alone = [self._transports[name] for name in self.plan.combine_alone] if self.plan \
             else self._routes[KIND_COMBINE]
-        self._gathered = [-1] * c.channels
+        self._after_gather = [False] * c.channels
         # The one transport every call takes, where there is one: calls then skip the routing.
         self._only = self._transport if len(self._transports) == 1 else None
         self._geometry = (c.heads_per_rank, c.num_heads, c.head_dim, c.device, c.dtype)
@@ -266,9 +266,10 @@ class DcpAllToAll:
                 raise error
 
     def _enter(self, channel, kind: int, first) -> tuple:
-        """Take the channel for this call and pick its transport (by ``first``'s B: every rank
-        routes a call of one size alike), or raise: closed, busy, or poisoned by a failed call.
-        A call rejected later announces itself on that transport: where its B is the peers', theirs."""
+        """Take the channel for this call and pick its transport (by ``first``'s B and whether the
+        channel's last call was a gather: every rank routes a call of one size alike), or raise:
+        closed, busy, or poisoned by a failed call. A call rejected later announces itself on that
+        transport: where its B is the peers', theirs."""
         if self._closed:
             self._check_open()
         if type(channel) is not int or not 0 <= channel < self.channels:
@@ -300,15 +301,15 @@ class DcpAllToAll:
 
     def _route(self, kind: int, first, channel: int) -> object:
         """The plan's transport for a call whose first argument is ``first`` (by its B); a combine
-        right after a gather of its B on the channel (a layer) takes the layer's, any other its own.
-        Every rank makes the same calls on a channel (rejected ones announce themselves), so every
-        rank routes alike."""
+        right after a gather on the channel (a layer) takes the layer's, any other its own. Every
+        rank makes the same calls on a channel, of the same kinds (a rejected one, whatever its B,
+        announces itself), so every rank routes alike. Never raises: the caller holds the channel."""
         try:
-            n = min(first.shape[0], self.max_tokens)
+            n = max(0, min(operator.index(first.shape[0]), self.max_tokens))
         except Exception:  # no first dimension (not a tensor, or 0-d): rejected later, on the smallest calls' route
             n = 1
-        after, self._gathered[channel] = self._gathered[channel], n if kind == KIND_GATHER else -1
-        return (self._routes[kind] if kind == KIND_GATHER or after == n else self._alone)[n]
+        after_gather, self._after_gather[channel] = self._after_gather[channel], kind == KIND_GATHER
+        return (self._routes[kind] if kind == KIND_GATHER or after_gather else self._alone)[n]
 
     def _device_error(self, channel: int) -> Optional[DcpError]:
         """The first recorded failure of a channel in any transport in use (host reads)."""
@@ -393,7 +394,8 @@ class DcpAllToAll:
     def tiling(self, n_tokens: int, gather: bool = False) -> tuple:
         """(warps per program, programmatic dependent launch) of the launches of a combine (or,
         with ``gather``, a query all-gather) of ``n_tokens`` tokens; a call above ``max_tokens``
-        runs in launches of ``max_tokens``."""
+        runs in launches of ``max_tokens``. (The transports share their tilings, so the route of the
+        call does not matter here.)"""
         self._check_open()
         if type(n_tokens) is not int or n_tokens < 1:
             raise ValueError(f"n_tokens: expected a positive integer, got {n_tokens!r}")

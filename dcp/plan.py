@@ -9,7 +9,7 @@ size's gather and combine to different transports, a layer (the gather, then the
 on each transport alone and that way (``layer_points``): on one H200 a pulled gather and a pushed
 combine took 1.18x the pull alone. Where the mix is as fast as the fastest layer, each collective
 keeps its own choice; else the fastest layer's transports serve both within a layer, and a
-combine that does not follow a gather of its size (``combine_alone``: a FlashAttention layer's)
+combine that does not follow a gather on its channel (``combine_alone``: a FlashAttention layer's)
 keeps its own. Every rank therefore sends a call of a given size, after the same calls, to the
 same transport, whatever its own clock said.
 """
@@ -26,12 +26,13 @@ from dcp.rendezvous import all_gather
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
 LAYER = "layer"  # a layer's key in a table: (LAYER, gather's transport, combine's transport, size)
-ALONE = "combine alone"  # the routes of combines that do not follow a gather of their size
+ALONE = "combine alone"  # the routes of combines that do not follow a gather on their channel
 # Within this fraction of the fastest, or this many us, a time ties with it: of the collectives' own
-# choices the push wins a tie (the most proven), of the layers the mix (``choose``). Timed in graphs,
-# the plan's figures came within about 0.5 us (1%) of the benchmark's graph8 medians on one H200
-# (docs/design.md, section 5.11), and real gaps of 0.5-0.8 us at B = 32-64 decided gathers; the
-# 0.3 us is a guess above the noise of small calls, not measured apart.
+# choices the push wins a tie (the most proven), of the layers the mix (``choose``). Timed in graphs
+# on one H200 (docs/design.md, section 5.11), the plan came within about 0.5 us (1%) of the
+# benchmark's graph8 medians at N = 3, where real gaps of 0.5-0.8 us at B = 32-64 decided gathers
+# (a 1 us tie gave one to the slower push); at N = 6 its small calls were 0.8-1.7 us off, which the
+# 0.3 us does not cover: a trade, not measured apart.
 TIE, TIE_US = 0.02, 0.3
 
 
@@ -74,7 +75,7 @@ class Plan:
         self._alone = alone if alone is not None else choices[KIND_COMBINE]
         # kind -> transport by call size, index 0 (B = 0) to max_tokens: the smallest measured size >= B.
         self.by_size = {kind: self._by_size(points) for kind, points in choices.items()}
-        # A combine that does not follow a gather of its size (no layer): its own choice.
+        # A combine that does not follow a gather on its channel (no layer): its own choice.
         self.combine_alone = self._by_size(self._alone)
 
     def _by_size(self, points: list) -> list:
@@ -101,7 +102,7 @@ class Plan:
     @property
     def routes(self) -> list:
         """Each collective's ranges of sizes and their transports; ``combine alone`` (a combine that
-        does not follow a gather of its size) only where a layer changed the combine's choice."""
+        does not follow a gather on its channel) only where a layer changed the combine's choice."""
         kinds = [(KINDS[kind], points) for kind, points in self._choices.items()]
         if self.combine_alone != self.by_size[KIND_COMBINE]:
             kinds.append((ALONE, self._alone))
@@ -235,9 +236,12 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
     ``((candidate, kind), ...)`` issued in order; ``runs[candidate](kind, size)`` issues one call
     (every rank issues the same calls in the same order); ``failure(candidate)`` reads a
     candidate's recorded failure after them. Of a point's ``warm`` steps the first runs at once
-    (it lines the ranks up, and a call that raises does so outside any capture); then
+    (it lines the ranks up, and a call that raises there does so outside any capture); then
     ``timer.best(step, warm - 1, reps, rounds)`` times it: us per step, the best of ``rounds`` runs
-    of ``reps`` steps, each behind the other warm steps. A candidate that raises is not called here again (the others' calls go on, the
+    of ``reps`` steps, each behind the other warm steps. (Under ``GraphTimer`` a call that raises
+    only while captured has its announcement captured too, and a capture refused on one rank is
+    announced to nobody: the peers' replays then wait out their timeouts, so the candidate fails
+    on every rank, late but bounded.) A candidate that raises is not called here again (the others' calls go on, the
     same on every rank), and it is left out on every rank. Its run should announce the failed call,
     so that the peers' call fails at once: on the timeout (bounded waits), their next calls on
     another candidate would start a timeout after this rank's and fail too.
@@ -326,9 +330,12 @@ class GraphTimer:
         return graph
 
     def best(self, step: Callable[[], None], warm: int, reps: int, rounds: int) -> float:
-        graphs = [self._capture(step, n) for n in (warm, reps) if n]
-        best = float("inf")
+        """``warm`` 0: no line-up graph (the timed replay then includes the ranks' skew)."""
+        if reps < 1 or rounds < 1:
+            raise ValueError(f"reps and rounds: expected at least 1, got {reps} and {rounds}")
+        graphs, best = [], float("inf")
         try:
+            graphs += [self._capture(step, n) for n in (warm, reps) if n]
             for _ in range(rounds):
                 self._hold()
                 with torch.cuda.device(self.device), torch.cuda.stream(self.stream):

@@ -90,3 +90,26 @@ def sizes_on_two_routes(state, key: str, seed: int, sizes: list) -> dict:
     _, _, po, pl = _inputs(comm, seed, B)
     first = _raises(lambda: comm.lse_reduce(po, pl, check=True), (DcpTimeoutError, DcpMismatchError))
     return {"first": first, "next": _then_poisoned(comm, seed + 1)}
+
+
+def rejected_gather_then_combine(state, key: str, seed: int, bad_rank: int, B: int) -> dict:
+    """``bad_rank`` passes its queries in the wrong dtype to a gather, the others gather B; then every
+    rank combines B. The peers' gather fails at once naming it; its combine counts the rejected call
+    as a gather, so it routes like theirs and fails at once on the poisoned channels they announce,
+    not on the timeout."""
+    import time
+
+    from tests.gather_cases import make_queries
+    from tests.lockstep_cases import _inputs, _raises
+    from dcp import DcpError, DcpMismatchError
+
+    comm = state[key]
+    q = make_queries(seed, comm, B)[comm.rank].to(comm.device)
+    if comm.rank == bad_rank:
+        first = _raises(lambda: comm.all_gather_heads(q.float(), check=True), (TypeError, ValueError))
+    else:
+        first = _raises(lambda: comm.all_gather_heads(q, check=True), (DcpMismatchError,))
+    _, _, po, pl = _inputs(comm, seed + 1, B)
+    t0 = time.monotonic()
+    second = _raises(lambda: comm.lse_reduce(po, pl, check=True), (DcpError,))
+    return {"first": first, "second": second, "elapsed": time.monotonic() - t0}

@@ -104,6 +104,11 @@ def test_a_layer_decides_where_the_collectives_mix():
     assert "combine B 1-1        pull    (B = 1: triton 10.0  pull 5.0)" in text, text
     assert "combine B >= 2       triton  (B = 2: triton 10.0  pull 30.0)" in text, text
     assert "layer   B = 2        pull+triton (triton 100.0  pull 110.0  pull+triton 101.9)" in text, text
+    # every layer overruled to the pull, the combine alone pushed at B = 2: the push stays in use
+    pulled = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [dict(_layers({1: (20, 30, 10), 2: (90, 80, 70)}))])
+    assert pulled.by_size == {KIND_COMBINE: ["pull"] * 3, KIND_GATHER: ["pull"] * 3}, pulled.by_size
+    assert pulled.combine_alone == ["pull", "pull", "triton"] and pulled.transports == CANDIDATES
+    assert ("combine alone", 2, None, "triton") in [(r.kind, r.lo, r.hi, r.transport) for r in pulled.routes]
     # no layer times for a size (or none on one rank): its two choices stand
     assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1, [dict(_layers({2: (1, 2, 3)}))]).mixed_sizes() == [1, 2]
     assert choose([ops, ops], CANDIDATES, [1, 2], {}, 2, 0.1, [fast, {}]).mixed_sizes() == [1, 2]
@@ -221,9 +226,9 @@ def test_auto_routes_each_size_to_its_transport(worlds):
 
 def test_a_combine_alone_keeps_its_own_transport_where_a_layer_overruled_it(worlds):
     """B = 2: the combine alone is faster pushed, the gather pulled, and the pull alone is the
-    fastest layer, so within a layer both go to the pull (the combine right after a gather of its
-    size), and a combine after anything else keeps the push: on every rank alike, rejected calls
-    included, every result the reference's."""
+    fastest layer, so within a layer both go to the pull (a combine right after a gather), and a
+    combine after anything else keeps the push: on every rank alike, rejected calls included (of
+    whatever B), every result the reference's."""
     n = 3
     w = worlds(n)
     tables = _table({(KIND_COMBINE, 1): (10, 5), (KIND_COMBINE, 2): (10, 30), (KIND_GATHER, 1): (10, 20),
@@ -238,8 +243,8 @@ def test_a_combine_alone_keeps_its_own_transport_where_a_layer_overruled_it(worl
     seed = fresh_seed()
     w.run(ac.counts, "a")  # (the constructor's loads)
     steps = [("combine", 2, "triton"), ("gather", 2, "pull"), ("combine", 2, "pull"), ("combine", 2, "triton"),
-             ("gather", 1, "triton"), ("combine", 2, "triton"), ("gather", 2, "pull"), ("gather", 2, "pull"),
-             ("combine", 2, "pull"), ("combine", 1, "pull")]
+             ("gather", 1, "triton"), ("combine", 2, "pull"), ("combine", 2, "triton"), ("gather", 2, "pull"),
+             ("gather", 2, "pull"), ("combine", 2, "pull"), ("combine", 1, "pull")]
     for i, (op, B, route) in enumerate(steps):
         if op == "gather":
             w.run(gc.gather_case, "a", seed + i, B=B)
@@ -253,6 +258,14 @@ def test_a_combine_alone_keeps_its_own_transport_where_a_layer_overruled_it(worl
     out = w.run(lc.rejecting_rank, "a", seed + 21, bad_rank=2, B=2)
     assert all("rank 2 rejected its call before launch" in r["first"] for r in out[:2]), out
     w.run(rc.close_comm, "a")
+    # a gather rejected on one rank still counts as a gather: the combine after it routes as its
+    # peers' does, so it fails at once on their poisoned channels, not on the timeout
+    w.run(ac.make_auto, "b", tables=[tables] * n, max_tokens=2, num_heads=2 * n, head_dim=16, query_dim=24,
+          timeout_s=60.0)
+    out = w.run(ac.rejected_gather_then_combine, "b", seed + 30, bad_rank=1, B=2)
+    assert all("rank 1 rejected its call before launch" in r["first"] for r in (out[0], out[2])), out
+    assert "Timeout" not in out[1]["second"] and out[1]["elapsed"] < 30, out
+    w.run(rc.close_comm, "b")
     assert w.run(rc.shm_segments, ranks=[0]) == [[]]
 
 
