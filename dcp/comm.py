@@ -4,7 +4,6 @@ modules of their own (``dcp.config``, ``dcp.protocol``, ``dcp.transports``, ``dc
 (``dcp.launch``) and launches on the transport its size is routed to."""
 
 import logging
-import operator
 import threading
 from datetime import timedelta
 from typing import Callable, Optional, Union
@@ -304,12 +303,12 @@ class DcpAllToAll:
         right after a gather on the channel (a layer) takes the layer's, any other its own. Every
         rank makes the same calls on a channel, of the same kinds (a rejected one, whatever its B,
         announces itself), so every rank routes alike. Never raises: the caller holds the channel."""
-        try:
-            n = max(0, min(operator.index(first.shape[0]), self.max_tokens))
-        except Exception:  # no first dimension (not a tensor, or 0-d): rejected later, on the smallest calls' route
-            n = 1
         after_gather, self._after_gather[channel] = self._after_gather[channel], kind == KIND_GATHER
-        return (self._routes[kind] if kind == KIND_GATHER or after_gather else self._alone)[n]
+        routes = self._routes[kind] if kind == KIND_GATHER or after_gather else self._alone
+        try:
+            return routes[min(first.shape[0], self.max_tokens)]
+        except Exception:  # no first dimension (not a tensor, or 0-d): rejected later, on the smallest calls' route
+            return routes[1]
 
     def _device_error(self, channel: int) -> Optional[DcpError]:
         """The first recorded failure of a channel in any transport in use (host reads)."""
