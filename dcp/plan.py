@@ -48,8 +48,9 @@ def ladder(max_tokens: int) -> list:
 @dataclass(frozen=True)
 class Route:
     """Calls of ``lo`` to ``hi`` tokens (``hi`` None: no bound; above ``max_tokens`` a call runs in
-    chunks of it) of one collective go to ``transport``; ``times_us``: each candidate's time per call
-    at the size ``at`` that decided it (its slowest rank's)."""
+    chunks of it) of one collective (``kind``: combine, gather, or ``ALONE``) go to ``transport``;
+    ``times_us``: each candidate's time per call at the size ``at`` that decided it (its slowest
+    rank's)."""
     kind: str
     lo: int
     hi: Optional[int]
@@ -238,13 +239,13 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
     candidate's recorded failure after them. Of a point's ``warm`` steps the first runs at once
     (it lines the ranks up, and a call that raises there does so outside any capture); then
     ``timer.best(step, warm - 1, reps, rounds)`` times it: us per step, the best of ``rounds`` runs
-    of ``reps`` steps, each behind the other warm steps. (Under ``GraphTimer`` a call that raises
-    only while captured has its announcement captured too, and a capture refused on one rank is
-    announced to nobody: the peers' replays then wait out their timeouts, so the candidate fails
-    on every rank, late but bounded.) A candidate that raises is not called here again (the others' calls go on, the
-    same on every rank), and it is left out on every rank. Its run should announce the failed call,
-    so that the peers' call fails at once: on the timeout (bounded waits), their next calls on
-    another candidate would start a timeout after this rank's and fail too.
+    of ``reps`` steps, each behind the other warm steps. A candidate that raises is not called here
+    again (the others' calls go on, the same on every rank), and it is left out on every rank. Its
+    run should announce the failed call, so that the peers' call fails at once: on the timeout
+    (bounded waits), their next calls on another candidate would start a timeout after this rank's
+    and fail too. (Under ``GraphTimer`` a call that raises only while captured has its announcement
+    captured too, and a capture refused on one rank is announced to nobody: the peers' replays then
+    wait out their timeouts, so the candidate fails on every rank, late but bounded.)
     """
     table, failed = {}, {}
 
