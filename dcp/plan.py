@@ -121,15 +121,16 @@ class Plan:
     def __str__(self) -> str:
         lines = [f"auto plan (measured in {self.seconds:.2f} s; us per call, slowest rank, at the size that "
                  "decided each range):"]
+        w = max([7] + [len(r.kind) for r in self.routes])  # "combine alone" lines align with the rest
         for r in self.routes:
             sizes = f"B {r.lo}-{r.hi}" if r.hi is not None else f"B >= {r.lo}"
             times = "  ".join(f"{name} {us:.1f}" for name, us in r.times_us.items())
             hi = self.max_tokens if r.hi is None else r.hi
             by = "; a layer decided" if any(KINDS[k] == r.kind and r.lo <= b <= hi for k, b in self.overruled) else ""
-            lines.append(f"  {r.kind:7s} {sizes:12s} {r.transport:6s}  (B = {r.at}: {times}{by})")
+            lines.append(f"  {r.kind:{w}s} {sizes:12s} {r.transport:6s}  (B = {r.at}: {times}{by})")
         for b, times in self.layers.items():
             pair = (self.by_size[KIND_GATHER][b], self.by_size[KIND_COMBINE][b])
-            lines.append(f"  layer   B = {b:<8d} {_pair(pair):11s} (" + "  ".join(
+            lines.append(f"  {'layer':{w}s} B = {b:<8d} {_pair(pair):11s} (" + "  ".join(
                 f"{_pair(p)} {us:.1f}" for p, us in times.items()) + ")")
         lines += [f"  left out: {name} ({why})" for name, why in self.left_out.items()]
         return "\n".join(lines)
@@ -277,10 +278,16 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
     return table, failed
 
 
+def _check_counts(reps: int, rounds: int) -> None:
+    if reps < 1 or rounds < 1:
+        raise ValueError(f"reps and rounds: expected at least 1, got {reps} and {rounds}")
+
+
 class HostTimer:
     """Wall time of synchronous calls (Triton's interpreter)."""
 
     def best(self, step: Callable[[], None], warm: int, reps: int, rounds: int) -> float:
+        _check_counts(reps, rounds)
         best = float("inf")
         for _ in range(rounds):
             for _ in range(warm):
@@ -297,11 +304,14 @@ class GraphTimer:
     and the benchmark's graph8 mode run them: eager launches had the plan disagree with graph
     replays at small calls (docs/design.md, section 5.11). Each round first occupies the stream for
     ``hold_us`` (``torch.cuda._sleep``) while the host queues the rest, then replays the ``warm``
-    steps' graph (its first call waits for every peer: the ranks start the timed replay together),
-    then the timed one between two events."""
+    steps' graph (its first call waits for every peer: the ranks start the timed replays together),
+    then the timed one ``replays`` times back to back between two events, as the benchmark replays
+    its graphs: what the first replay and the events cost is spread over ``replays * reps`` steps."""
 
-    def __init__(self, device: torch.device, hold_us: float = 1000.0):
-        self.device, self.stream = device, torch.cuda.current_stream(device)
+    def __init__(self, device: torch.device, hold_us: float = 1000.0, replays: int = 4):
+        if replays < 1:
+            raise ValueError(f"replays: expected at least 1, got {replays}")
+        self.device, self.stream, self.replays = device, torch.cuda.current_stream(device), replays
         self.side = torch.cuda.Stream(device)
         self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.hold_cycles = 1 << 20
@@ -332,8 +342,7 @@ class GraphTimer:
 
     def best(self, step: Callable[[], None], warm: int, reps: int, rounds: int) -> float:
         """``warm`` 0: no line-up graph (the timed replay then includes the ranks' skew)."""
-        if reps < 1 or rounds < 1:
-            raise ValueError(f"reps and rounds: expected at least 1, got {reps} and {rounds}")
+        _check_counts(reps, rounds)
         graphs, best = [], float("inf")
         try:
             graphs += [self._capture(step, n) for n in (warm, reps) if n]
@@ -343,10 +352,11 @@ class GraphTimer:
                     for graph in graphs[:-1]:
                         graph.replay()
                     self.a.record(self.stream)
-                    graphs[-1].replay()
+                    for _ in range(self.replays):
+                        graphs[-1].replay()
                     self.b.record(self.stream)
                 self.b.synchronize()
-                best = min(best, self.a.elapsed_time(self.b) * 1e3 / reps)
+                best = min(best, self.a.elapsed_time(self.b) * 1e3 / (reps * self.replays))
         finally:
             for graph in graphs:
                 graph.reset()
