@@ -47,7 +47,7 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
           query_dtype: str = "bfloat16") -> dict:
     """Build this rank's communicator; returns, by op, the tiling of each call size from 1 to
     ``max_tokens`` (warps per program, programmatic dependent launch: ``DcpAllToAll.tiling``), and
-    ``auto``'s plan as text (None for the other backends), and whether each size's gather is
+    ``auto``'s plan (None for the other backends), and whether each size's gather is
     pulled (its floor counts fewer bytes)."""
     if "comm" in state:
         state.pop("comm").close()
@@ -69,7 +69,7 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
     sizes = range(1, max_tokens + 1)
     pulled = [(comm.plan.transport(KIND_GATHER, b) if comm.plan else comm.backend) == "pull" for b in sizes]
     return {"combine": combine, "gather": [comm.tiling(b, gather=True) for b in sizes], "layer": combine,
-            "plan": comm.plan and str(comm.plan), "gather_pulled": pulled}
+            "plan": comm.plan, "gather_pulled": pulled}
 
 
 def calibrate(state) -> None:

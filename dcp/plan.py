@@ -29,11 +29,11 @@ LAYER = "layer"  # a layer's key in a table: (LAYER, gather's transport, combine
 ALONE = "combine alone"  # the routes of combines that do not follow a gather on their channel
 # Within this fraction of the fastest, or this many us, a time ties with it: of the collectives' own
 # choices the push wins a tie (the most proven), of the layers the mix (``choose``). Timed in graphs
-# on one H200 (docs/design.md, section 5.11), the plan came within about 0.5 us (1%) of the
-# benchmark's graph8 medians at N = 3, where real gaps of 0.5-0.8 us at B = 32-64 decided gathers
-# (a 1 us tie gave one to the slower push); at N = 6 its small calls were 0.8-1.7 us off, which the
-# 0.3 us does not cover: a trade, not measured apart.
-TIE, TIE_US = 0.02, 0.3
+# replayed four times (050b03b, one H200; docs/design.md, section 5.11), the plan came within about
+# 1% of the benchmark's graph8 medians where its log prints both; a 2% tie there gave the N = 3
+# layer at B = 64 to the push (plan 26.1 against the pull's 25.6; graph8 26.8 against 25.8). The
+# 0.3 us covers the small calls' noise (at e3e6c68 the N = 6 ones were 0.8-1.7 us off).
+TIE, TIE_US = 0.01, 0.3
 
 
 def _ties(t: float, best: float) -> bool:
@@ -133,6 +133,19 @@ class Plan:
             lines.append(f"  {'layer':{w}s} B = {b:<8d} {_pair(pair):11s} (" + "  ".join(
                 f"{_pair(p)} {us:.1f}" for p, us in times.items()) + ")")
         lines += [f"  left out: {name} ({why})" for name, why in self.left_out.items()]
+        return "\n".join(lines)
+
+    def times_at(self, sizes: list) -> str:
+        """The measured times (us, slowest rank) of the sizes that route calls of ``sizes`` tokens,
+        per collective: what a benchmark of those sizes can set its own medians beside."""
+        lines = []
+        for kind, points in self._choices.items():
+            at = {}
+            for b in sorted({min(max(b, 1), self.max_tokens) for b in sizes}):
+                size, _, times = next(p for p in points if p[0] >= b)
+                at[size] = times
+            lines.append(f"  {KINDS[kind]:7s} " + "; ".join(
+                f"B = {b}: " + "  ".join(f"{name} {us:.1f}" for name, us in times.items()) for b, times in at.items()))
         return "\n".join(lines)
 
     def summary(self) -> str:

@@ -132,6 +132,22 @@ def test_bench_times_a_call_of_no_work(tmp_path):
     assert all(r["speedup"] > 0 for r in one + many)
 
 
+def test_auto_prints_its_plan_and_its_times_at_the_runs_sizes(tmp_path):
+    """--backends auto, measuring on the CPU too: the plan, then its own times at each size the run
+    times (B = 0 is routed by the measured size 1), to set beside the medians."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "--world-size", "2", "--batch", "0", "3", "--iters", "1",
+                           "--op", "combine", "--backends", "auto", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, DCP_A2A_MEASURE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "N=2 D=64 auto plan (measured in " in out and "its times at this run's sizes" in out, out
+    for kind in ("combine", "gather"):
+        line = next(x for x in out.splitlines() if x.startswith(f"  {kind:7s} B = 1: "))
+        assert "; B = 3: " in line and line.count("triton ") == line.count("pull ") == 2, line
+    rows = json.loads((tmp_path / "results.json").read_text(), parse_constant=_no_nan)[-1]["rows"]
+    assert [(r["backend"], r["B"]) for r in rows] == [("auto", 0), ("auto", 3)], rows
+
+
 def test_csv_rows_stay_under_their_columns(tmp_path):
     """A run with new columns, appended to an older file, rewrites its header; nothing shifts."""
     import csv
