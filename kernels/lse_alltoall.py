@@ -511,7 +511,12 @@ def _record_failure(status, flags, ctl, slot, t, e, tag, code, absent, N: tl.con
                     FLAG_OFF: tl.constexpr, GPU_SCOPE: tl.constexpr, PULL: tl.constexpr):
     """Leave the first failure of a channel where the host reads it: which sources were missing at
     tile t (``absent``, bit s: source s, as the wait last read them), and the tag each announced
-    (read now; TAG_NONE: nothing of this call arrived from it)."""
+    (read now; TAG_NONE: nothing of this call arrived from it).
+
+    Programs that fail at once may each find the channel unrecorded and write here together (no
+    atomic reaches host-mapped memory on every fabric). So a source's word is only ever set, never
+    cleared (the words start at 0 and a channel fails once): the record names every source some
+    program missed, never none. The fence orders the words before the code the host polls for."""
     if tl.load(status, volatile=True) == 0:  # the first failure is kept: the channel is poisoned
         tl.store(status + 1, e)
         tl.store(status + 2, t)
@@ -521,10 +526,11 @@ def _record_failure(status, flags, ctl, slot, t, e, tag, code, absent, N: tl.con
             got = _load_relaxed(src_flags + t, GPU_SCOPE)
             first = _load_relaxed(src_flags, GPU_SCOPE)
             got_now = (got & 0xFFFFFFFF) == e
-            tl.store(status + 4 + s, (absent >> s) & 1)
+            tl.store(status + 4 + s, 1, mask=((absent >> s) & 1) != 0)
             first_now = ((first & 0xFFFFFFFF) == e) | ((first >> 32) == _TAG_POISONED)
             announced = tl.where(got_now, got >> 32, tl.where(first_now, first >> 32, _TAG_NONE))
             tl.store(status + 12 + s, announced.to(tl.int32))
+        _fence(e, False)
         tl.store(status, code)
 
 

@@ -508,6 +508,32 @@ def timeout_with_a_late_flag(state, key: str, B: int = 2) -> dict:
         scope["_record_failure"] = record
 
 
+def timeout_with_a_racing_record(state, key: str, B: int = 2) -> dict:
+    """``expect_timeout`` on the CPU tier; on rank 0 a second program's record is planted in the
+    real kernel: it gave up on source 1 only (its own tile's view) and wrote its words, and this
+    program read the channel unrecorded before that program's code landed, so both write. The
+    record must name what either program missed: one must not clear the other's sources."""
+    import triton.language as tl
+
+    from dcp.kernels import build_kernels
+
+    if state[key].rank != 0:
+        return expect_timeout(state, key, B)
+    scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
+    record = scope["_record_failure"]
+
+    def racing(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest):
+        record(status, flags, ctl, slot, t, e, tag, code, absent * 0 + 0b10, N, TILES_MAX, *rest)
+        tl.store(status, 0)  # (its code not yet seen by this program)
+        return record(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest)
+
+    scope["_record_failure"] = racing
+    try:
+        return expect_timeout(state, key, B)
+    finally:
+        scope["_record_failure"] = record
+
+
 def timeout_after_a_tile_that_arrived(state, key: str, B: int, lossy: int) -> dict:
     """Rank ``lossy`` loses its flag of the call's second tile (planted in the interpreted kernel),
     so with one program a rank's first tile arrives and its second never does. That wait's

@@ -104,6 +104,20 @@ def test_a_timeout_names_a_peer_whose_flag_lands_while_the_failure_is_recorded(w
     w.run(rc.close_comm, "late")
 
 
+def test_programs_recording_one_failure_at_once_name_every_source_either_missed(worlds):
+    """Rank 2 skips a call. On rank 0, a second program's record is planted: it gave up on rank 1
+    (at its own tile, where rank 1 had not arrived yet) and wrote its words while this program,
+    which waited for rank 2, also found the channel unrecorded. Both ranks stay named: a record
+    that cleared the other's words could leave no rank named at all."""
+    w = worlds(3)
+    w.run(rc.make_comm, "race", max_tokens=4, num_heads=6, head_dim=16, timeout_s=SHORT_TIMEOUT_S)
+    res = w.run(rc.timeout_with_a_racing_record, "race", ranks=[0, 1], timeout=120)
+    res += w.run(rc.expect_timeout, "race", ranks=[2], timeout=120)
+    assert res[0]["missing"] == [1, 2], res[0]
+    assert res[0]["message"].startswith("DCP all-to-all timed out waiting for rank(s) [1, 2] (rank 0, "), res[0]
+    w.run(rc.close_comm, "race")
+
+
 def test_a_timeout_after_a_tile_that_arrived_is_recorded(worlds):
     """One program walks several tiles; its first arrives, a later one never does (its flag lost on
     rank 1). Every rank must raise naming rank 1: a wait that failed after a good tile was once
