@@ -403,7 +403,7 @@ def main(argv=None) -> None:
                                             args.timer, args.dtype, args.query_dim, args.query_dtype)[0]
                             if tilings["plan"]:
                                 print(f"{chr(13) if tty else ''}N={n} D={d} {tilings['plan']}\n"
-                                      f"  its times at this run's sizes (beside the medians below):\n"
+                                      f"  its times at this run's sizes (* its choice; beside the medians below):\n"
                                       f"{tilings['plan'].times_at(args.batch)}", flush=True)
                             for B in args.batch:
                                 for op in args.op:

@@ -16,7 +16,7 @@ same transport, whatever its own clock said.
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -121,37 +121,53 @@ class Plan:
     def __str__(self) -> str:
         lines = [f"auto plan (measured in {self.seconds:.2f} s; us per call, slowest rank, at the size that "
                  "decided each range):"]
-        w = max([7] + [len(r.kind) for r in self.routes])  # "combine alone" lines align with the rest
-        for r in self.routes:
-            sizes = f"B {r.lo}-{r.hi}" if r.hi is not None else f"B >= {r.lo}"
-            times = "  ".join(f"{name} {us:.1f}" for name, us in r.times_us.items())
+        routes = self.routes
+        w = max([7] + [len(r.kind) for r in routes])  # "combine alone" lines align with the rest
+        for r in routes:
             hi = self.max_tokens if r.hi is None else r.hi
             by = "; a layer decided" if any(KINDS[k] == r.kind and r.lo <= b <= hi for k, b in self.overruled) else ""
-            lines.append(f"  {r.kind:{w}s} {sizes:12s} {r.transport:6s}  (B = {r.at}: {times}{by})")
+            lines.append(f"  {r.kind:{w}s} {_sizes(r):12s} {r.transport:6s}  (B = {r.at}: {_times(r.times_us)}{by})")
         for b, times in self.layers.items():
-            pair = (self.by_size[KIND_GATHER][b], self.by_size[KIND_COMBINE][b])
-            lines.append(f"  {'layer':{w}s} B = {b:<8d} {_pair(pair):11s} (" + "  ".join(
-                f"{_pair(p)} {us:.1f}" for p, us in times.items()) + ")")
+            lines.append(f"  {'layer':{w}s} B = {b:<8d} {_pair(self._layer_pair(b)):11s} "
+                         f"({_times({_pair(p): us for p, us in times.items()})})")
         lines += [f"  left out: {name} ({why})" for name, why in self.left_out.items()]
         return "\n".join(lines)
 
-    def times_at(self, sizes: list) -> str:
-        """The measured times (us, slowest rank) of the sizes that route calls of ``sizes`` tokens,
-        per collective: what a benchmark of those sizes can set its own medians beside."""
+    def _layer_pair(self, b: int) -> tuple:
+        return self.by_size[KIND_GATHER][b], self.by_size[KIND_COMBINE][b]
+
+    def times_at(self, sizes: Iterable[int]) -> str:
+        """Per collective, for each of ``sizes`` (call sizes in tokens), the times measured at the
+        size that routes it (us, slowest rank; "B = 3 (at 4)" where they differ), its chosen
+        transport marked *, and the layers timed there: what a benchmark of those sizes can set its
+        own medians beside."""
+        at: dict = {}  # measured size -> the call sizes it routes
+        for b in sizes:
+            size = next(s for s in self.sizes if s >= min(max(b, 1), self.max_tokens))
+            at.setdefault(size, []).append(b)
+
+        def label(size: int) -> str:
+            asked = sorted(set(at[size]))
+            return f"B = {size}" if asked == [size] else f"B = {', '.join(map(str, asked))} (at {size})"
+
+        if not at:
+            return ""
         lines = []
         for kind, points in self._choices.items():
-            at = {}
-            for b in sorted({min(max(b, 1), self.max_tokens) for b in sizes}):
-                size, _, times = next(p for p in points if p[0] >= b)
-                at[size] = times
+            by = {size: (name, times) for size, name, times in points}
             lines.append(f"  {KINDS[kind]:7s} " + "; ".join(
-                f"B = {b}: " + "  ".join(f"{name} {us:.1f}" for name, us in times.items()) for b, times in at.items()))
+                f"{label(size)}: " + _times({n + "*" * (n == by[size][0]): us for n, us in by[size][1].items()})
+                for size in sorted(at)))
+        layers = [size for size in sorted(at) if size in self.layers]
+        if layers:
+            lines.append("  layer   " + "; ".join(f"{label(size)}: " + _times(
+                {_pair(p) + "*" * (p == self._layer_pair(size)): us for p, us in self.layers[size].items()})
+                for size in layers))
         return "\n".join(lines)
 
     def summary(self) -> str:
         """One line: the transport of each route."""
-        return "; ".join(f"{r.kind} {f'B {r.lo}-{r.hi}' if r.hi is not None else f'B >= {r.lo}'}: {r.transport}"
-                         for r in self.routes)
+        return "; ".join(f"{r.kind} {_sizes(r)}: {r.transport}" for r in self.routes)
 
     def as_dict(self) -> dict:
         return {"seconds": self.seconds, "left_out": self.left_out,
@@ -166,6 +182,14 @@ class Plan:
 def _pair(pair: tuple) -> str:
     """A layer's transports: one name where both collectives take it, else gather+combine."""
     return pair[0] if pair[0] == pair[1] else f"{pair[0]}+{pair[1]}"
+
+
+def _sizes(r: "Route") -> str:
+    return f"B {r.lo}-{r.hi}" if r.hi is not None else f"B >= {r.lo}"
+
+
+def _times(times: dict) -> str:
+    return "  ".join(f"{name} {us:.1f}" for name, us in times.items())
 
 
 def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_tokens: int, seconds: float,
@@ -253,7 +277,7 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
     candidate's recorded failure after them. Of a point's ``warm`` steps the first runs at once
     (it lines the ranks up, and a call that raises there does so outside any capture); then
     ``timer.best(step, warm - 1, reps, rounds)`` times it: us per step, the best of ``rounds`` runs
-    of ``reps`` steps, each behind the other warm steps. A candidate that raises is not called here
+    (each of ``reps`` steps, or ``GraphTimer``'s replays of them), each behind the other warm steps. A candidate that raises is not called here
     again (the others' calls go on, the same on every rank), and it is left out on every rank. Its
     run should announce the failed call, so that the peers' call fails at once: on the timeout
     (bounded waits), their next calls on another candidate would start a timeout after this rank's
@@ -358,7 +382,9 @@ class GraphTimer:
         _check_counts(reps, rounds)
         graphs, best = [], float("inf")
         try:
-            graphs += [self._capture(step, n) for n in (warm, reps) if n]
+            for n in (warm, reps):  # each kept as captured: a later capture that raises still resets it
+                if n:
+                    graphs.append(self._capture(step, n))
             for _ in range(rounds):
                 self._hold()
                 with torch.cuda.device(self.device), torch.cuda.stream(self.stream):

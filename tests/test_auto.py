@@ -42,10 +42,14 @@ def test_ladder_and_plan_rules():
     t = {(n, k, b): 100.0 for n in CANDIDATES for k in (KIND_COMBINE, KIND_GATHER) for b in (1, 2, 4)}
     # a tie within 1% goes to the earlier candidate; the slowest rank decides
     fast = t | {("pull", KIND_COMBINE, 4): 99.1, ("pull", KIND_GATHER, 2): 50.0}
-    slow_rank = t | {("pull", KIND_GATHER, 2): 110.0}
+    slow_rank = t | {("pull", KIND_COMBINE, 4): 99.1, ("pull", KIND_GATHER, 2): 110.0}
     plan = choose([fast, slow_rank], CANDIDATES, [1, 2, 4], {"x": "why"}, 4, 0.1)
     assert plan.by_size[KIND_COMBINE] == ["triton"] * 5
     assert plan.by_size[KIND_GATHER] == ["triton"] * 5
+    # 1.2% (and 1.2 us) behind on every rank: no tie
+    behind = {("pull", KIND_COMBINE, 4): 98.8}
+    plan = choose([fast | behind, slow_rank | behind], CANDIDATES, [1, 2, 4], {}, 4, 0.1)
+    assert plan.by_size[KIND_COMBINE] == ["triton"] * 3 + ["pull"] * 2, plan.by_size
     # and so does one within 0.3 us (small calls): 0.25 us of 5 ties, 0.35 does not
     small = {(n, k, b): 5.0 for n in CANDIDATES for k in (KIND_COMBINE, KIND_GATHER) for b in (1, 2, 4)}
     plan = choose([small | {("pull", KIND_COMBINE, 1): 4.75, ("pull", KIND_GATHER, 1): 4.65}], CANDIDATES, [1, 2, 4],
@@ -86,7 +90,7 @@ def test_a_layer_decides_where_the_collectives_mix():
     assert checked.overruled == {(KIND_GATHER, 1)}, checked.overruled
     assert checked.layers[1] == {("triton", "pull"): 20, ("triton", "triton"): 30, ("pull", "pull"): 12}
     assert checked.as_dict()["layers"][2] == {"pull+triton": 100, "triton": 101, "pull": 120}
-    # B = 2: the mix 1% or more behind the push alone (and the pull alone as fast as the push): the push
+    # B = 2: the mix more than 1% behind the push alone (and the pull alone as fast as the push): the push
     alone = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [fast | dict(_layers({2: (101.1, 100, 100)}))])
     assert not alone.mixed_sizes() and alone.overruled == {(KIND_GATHER, 1), (KIND_GATHER, 2)}, alone.by_size
     assert alone.by_size[KIND_GATHER] == ["pull", "pull", "triton"], alone.by_size
@@ -104,15 +108,23 @@ def test_a_layer_decides_where_the_collectives_mix():
     assert "combine B 1-1        pull    (B = 1: triton 10.0  pull 5.0)" in text, text
     assert "combine B >= 2       triton  (B = 2: triton 10.0  pull 30.0)" in text, text
     assert "layer   B = 2        pull+triton (triton 100.0  pull 110.0  pull+triton 100.9)" in text, text
-    # the times a benchmark sets beside its medians: the size that routes each of its sizes, clamped
+    # the times a benchmark sets beside its medians: at the size that routes each of its sizes
+    # (clamped; the chosen transport marked, a layer's overruled gather too), and the layers there
     assert near.times_at([0, 2, 5]).split("\n") == [
-        "  combine B = 1: triton 10.0  pull 5.0; B = 2: triton 10.0  pull 30.0",
-        "  gather  B = 1: triton 10.0  pull 20.0; B = 2: triton 50.0  pull 40.0"], near.times_at([0, 2, 5])
+        "  combine B = 0 (at 1): triton 10.0  pull* 5.0; B = 2, 5 (at 2): triton* 10.0  pull 30.0",
+        "  gather  B = 0 (at 1): triton 10.0  pull* 20.0; B = 2, 5 (at 2): triton 50.0  pull* 40.0",
+        "  layer   B = 0 (at 1): triton 30.0  pull* 10.0  triton+pull 20.0; "
+        "B = 2, 5 (at 2): triton 100.0  pull 110.0  pull+triton* 100.9"], near.times_at([0, 2, 5])
+    assert near.times_at([2]).startswith("  combine B = 2: triton* 10.0") and near.times_at([]) == ""
     # every layer overruled to the pull, the combine alone pushed at B = 2: the push stays in use
     pulled = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [dict(_layers({1: (20, 30, 10), 2: (90, 80, 70)}))])
     assert pulled.by_size == {KIND_COMBINE: ["pull"] * 3, KIND_GATHER: ["pull"] * 3}, pulled.by_size
     assert pulled.combine_alone == ["pull", "pull", "triton"] and pulled.transports == CANDIDATES
     assert ("combine alone", 2, None, "triton") in [(r.kind, r.lo, r.hi, r.transport) for r in pulled.routes]
+    # every line's sizes start in one column, the combine alone's too
+    route_lines = str(pulled).splitlines()[1:]
+    assert len({line.index(" B ") for line in route_lines}) == 1 and "  combine alone B >= 2 " in str(pulled), \
+        str(pulled)
     # no layer times for a size (or none on one rank): its two choices stand
     assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1, [dict(_layers({2: (1, 2, 3)}))]).mixed_sizes() == [1, 2]
     assert choose([ops, ops], CANDIDATES, [1, 2], {}, 2, 0.1, [fast, {}]).mixed_sizes() == [1, 2]
@@ -172,6 +184,9 @@ def test_graph_timer_replays_what_it_captured_and_times_it():
         host[0] += 1
         x.add_(1)
         torch.cuda._sleep(cycles)
+    with pytest.raises(ValueError, match="reps and rounds"):
+        timer.best(step, 2, 0, 3)
+    assert host[0] == 0  # refused before anything was captured
     us = timer.best(step, 2, 4, 3)
     torch.cuda.synchronize()
     assert host[0] == 2 + 4 and x.item() == (2 + 4 * 3) * 3, (host, x.item())

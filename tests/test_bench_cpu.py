@@ -142,8 +142,8 @@ def test_auto_prints_its_plan_and_its_times_at_the_runs_sizes(tmp_path):
     out = proc.stdout
     assert "N=2 D=64 auto plan (measured in " in out and "its times at this run's sizes" in out, out
     for kind in ("combine", "gather"):
-        line = next(x for x in out.splitlines() if x.startswith(f"  {kind:7s} B = 1: "))
-        assert "; B = 3: " in line and line.count("triton ") == line.count("pull ") == 2, line
+        line = next(x for x in out.splitlines() if x.startswith(f"  {kind:7s} B = 0 (at 1): "))
+        assert "; B = 3: " in line and line.count("triton") == line.count("pull") == 2 and line.count("*") == 2, line
     rows = json.loads((tmp_path / "results.json").read_text(), parse_constant=_no_nan)[-1]["rows"]
     assert [(r["backend"], r["B"]) for r in rows] == [("auto", 0), ("auto", 3)], rows
 
