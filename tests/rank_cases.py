@@ -486,26 +486,33 @@ def expect_timeout(state, key: str, B: int = 2) -> dict:
     raise AssertionError("a call with absent peers returned without DcpTimeoutError")
 
 
+def _timeout_with_a_record_planted(state, key: str, B: int, planted) -> dict:
+    """``expect_timeout`` with the interpreted kernel's ``_record_failure`` replaced by
+    ``planted(record)`` (the real one wrapped) for this call."""
+    from dcp.kernels import build_kernels
+
+    scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
+    record = scope["_record_failure"]
+    scope["_record_failure"] = planted(record)
+    try:
+        return expect_timeout(state, key, B)
+    finally:
+        scope["_record_failure"] = record
+
+
 def timeout_with_a_late_flag(state, key: str, B: int = 2) -> dict:
     """``expect_timeout`` on the CPU tier with the race planted in the real kernel: as this rank's
     wait, given up on rank 1, records the failure, rank 1's flag of this very call lands (a late
     peer's, with this call's tag). The record must still name rank 1."""
     import triton.language as tl
 
-    from dcp.kernels import build_kernels
+    def planted(record):
+        def late(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest):
+            tl.store(flags + TILES_MAX + t, (tag.to(tl.int64) << 32) | e.to(tl.int64))  # source 1, tile t
+            return record(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest)
+        return late
 
-    scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
-    record = scope["_record_failure"]
-
-    def late(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest):
-        tl.store(flags + TILES_MAX + t, (tag.to(tl.int64) << 32) | e.to(tl.int64))  # source 1, tile t
-        return record(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest)
-
-    scope["_record_failure"] = late
-    try:
-        return expect_timeout(state, key, B)
-    finally:
-        scope["_record_failure"] = record
+    return _timeout_with_a_record_planted(state, key, B, planted)
 
 
 def timeout_with_a_racing_record(state, key: str, B: int = 2) -> dict:
@@ -515,23 +522,16 @@ def timeout_with_a_racing_record(state, key: str, B: int = 2) -> dict:
     record must name what either program missed: one must not clear the other's sources."""
     import triton.language as tl
 
-    from dcp.kernels import build_kernels
+    def planted(record):
+        def racing(status, flags, ctl, slot, t, e, tag, code, absent, *rest):
+            record(status, flags, ctl, slot, t, e, tag, code, absent * 0 + 0b10, *rest)
+            tl.store(status, 0)  # (its code not yet seen by this program)
+            return record(status, flags, ctl, slot, t, e, tag, code, absent, *rest)
+        return racing
 
     if state[key].rank != 0:
         return expect_timeout(state, key, B)
-    scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
-    record = scope["_record_failure"]
-
-    def racing(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest):
-        record(status, flags, ctl, slot, t, e, tag, code, absent * 0 + 0b10, N, TILES_MAX, *rest)
-        tl.store(status, 0)  # (its code not yet seen by this program)
-        return record(status, flags, ctl, slot, t, e, tag, code, absent, N, TILES_MAX, *rest)
-
-    scope["_record_failure"] = racing
-    try:
-        return expect_timeout(state, key, B)
-    finally:
-        scope["_record_failure"] = record
+    return _timeout_with_a_record_planted(state, key, B, planted)
 
 
 def timeout_after_a_tile_that_arrived(state, key: str, B: int, lossy: int) -> dict:
