@@ -138,9 +138,10 @@ class Plan:
 
     def times_at(self, sizes: Iterable[int]) -> str:
         """Per collective, for each of ``sizes`` (call sizes in tokens), the times measured at the
-        size that routes it (us, slowest rank; "B = 3 (at 4)" where they differ), its chosen
-        transport marked *, and the layers timed there: what a benchmark of those sizes can set its
-        own medians beside."""
+        size that routes it (us, slowest rank; "B = 3 (at 4)" where they differ), marked * the
+        transport a call of it alone takes (a combine: ``combine_alone``), and the layers timed
+        there, marked as a layer takes them: what a benchmark of those sizes can set its own
+        medians beside."""
         at: dict = {}  # measured size -> the call sizes it routes
         for b in sizes:
             size = next(s for s in self.sizes if s >= min(max(b, 1), self.max_tokens))
@@ -154,9 +155,10 @@ class Plan:
             return ""
         lines = []
         for kind, points in self._choices.items():
-            by = {size: (name, times) for size, name, times in points}
+            times = {size: t for size, _, t in points}
+            alone = self.combine_alone if kind == KIND_COMBINE else self.by_size[kind]
             lines.append(f"  {KINDS[kind]:7s} " + "; ".join(
-                f"{label(size)}: " + _times({n + "*" * (n == by[size][0]): us for n, us in by[size][1].items()})
+                f"{label(size)}: " + _times({n + "*" * (n == alone[size]): us for n, us in times[size].items()})
                 for size in sorted(at)))
         layers = [size for size in sorted(at) if size in self.layers]
         if layers:
@@ -277,8 +279,9 @@ def measure(runs: dict, failure: Callable[[str], Optional[str]], points: list, t
     candidate's recorded failure after them. Of a point's ``warm`` steps the first runs at once
     (it lines the ranks up, and a call that raises there does so outside any capture); then
     ``timer.best(step, warm - 1, reps, rounds)`` times it: us per step, the best of ``rounds`` runs
-    (each of ``reps`` steps, or ``GraphTimer``'s replays of them), each behind the other warm steps. A candidate that raises is not called here
-    again (the others' calls go on, the same on every rank), and it is left out on every rank. Its
+    (each of ``reps`` steps, or ``GraphTimer``'s replays of them), each behind the other warm
+    steps. A candidate that raises is not called here again (the others' calls go on, the same on
+    every rank), and it is left out on every rank. Its
     run should announce the failed call, so that the peers' call fails at once: on the timeout
     (bounded waits), their next calls on another candidate would start a timeout after this rank's
     and fail too. (Under ``GraphTimer`` a call that raises only while captured has its announcement

@@ -121,6 +121,9 @@ def test_a_layer_decides_where_the_collectives_mix():
     assert pulled.by_size == {KIND_COMBINE: ["pull"] * 3, KIND_GATHER: ["pull"] * 3}, pulled.by_size
     assert pulled.combine_alone == ["pull", "pull", "triton"] and pulled.transports == CANDIDATES
     assert ("combine alone", 2, None, "triton") in [(r.kind, r.lo, r.hi, r.transport) for r in pulled.routes]
+    # the times a benchmark sets beside a combine alone mark its own route, the layers theirs
+    assert pulled.times_at([2]).split("\n")[0] == "  combine B = 2: triton* 10.0  pull 30.0", pulled.times_at([2])
+    assert "  layer   B = 2: triton 80.0  pull* 70.0  pull+triton 90.0" in pulled.times_at([2]), pulled.times_at([2])
     # every line's sizes start in one column, the combine alone's too
     route_lines = str(pulled).splitlines()[1:]
     assert len({line.index(" B ") for line in route_lines}) == 1 and "  combine alone B >= 2 " in str(pulled), \
