@@ -511,13 +511,12 @@ def _record_failure(status, flags, ctl, slot, t, e, tag, code, absent, N: tl.con
                     FLAG_OFF: tl.constexpr, GPU_SCOPE: tl.constexpr, PULL: tl.constexpr):
     """Leave the first failure of a channel where the host reads it: which sources were missing at
     tile t (``absent``, bit s: source s, as the wait last read them), and the tag each announced
-    (read now; TAG_NONE: nothing of this call arrived from it). Where programs fail at once, the
-    missing sources are every such program's, the other words the last writer's.
+    (read now; TAG_NONE: nothing of this call arrived from it).
 
     Programs that fail at once may each find the channel unrecorded and write here together (no
     atomic reaches host-mapped memory on every fabric). So a source's word is only ever set, never
-    cleared (the words start at 0 and a channel fails once): the record names every source some
-    program missed, never none."""
+    cleared (the words start at 0 and a channel fails once): the record names every source any of
+    them missed, never none; its other words are the last writer's."""
     if tl.load(status, volatile=True) == 0:  # the first failure is kept: the channel is poisoned
         tl.store(status + 1, e)
         tl.store(status + 2, t)
