@@ -102,31 +102,28 @@ def _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, BLOCK_R:
     return (b >= tl.load(qsl + num_seqs.to(tl.int64) * s_qsl)) | (local == 0)
 
 
-def _load_tile(po, lse, t, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
-               tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, N: tl.constexpr, HN: tl.constexpr,
-               BLOCK_R: tl.constexpr):
+def _load_tile(po, lse, t, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N: tl.constexpr,
+               HN: tl.constexpr, BLOCK_R: tl.constexpr):
     """Tile t of the input for every peer: values [NP, BLOCK_R, DP] and fp32 LSEs [NP, BLOCK_R]
-    (peer d's head chunk; masked off past the last row and for padding peers). With batch metadata
-    (``num_seqs`` >= 0; ``tok0`` the launch's first token in the call) the LSEs of empty rows are
-    -inf: this rank adds nothing to them."""
+    (peer d's head chunk; masked off past the last row and for padding peers)."""
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
     head = peer[:, None] * HN + hh[None, :]
     vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :],
                    mask=m2[:, :, None] & cmask[None, None, :])
     lv = tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
-    if (num_seqs >= 0) & (t * BLOCK_R < n_rows):  # (not for the prefetch past the last tile)
-        empty = _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, BLOCK_R)
-        lv = tl.where(empty[None, :], float("-inf"), lv)
     return vals, lv
 
 
-def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N: tl.constexpr, BLOCK_R: tl.constexpr,
-                ROW: tl.constexpr, LSE_OFF: tl.constexpr):
+def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl,
+                N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
     """Store a loaded tile as packed rows (the values, then the fp32 LSE at 16-bit word LSE_OFF) at
-    its rows of each peer's destination ``dst16[peer]``."""
-    rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
-    m2 = (peer < N)[:, None] & (rows < n_rows)[None, :]
+    its rows of each peer's destination ``dst16[peer]``. With batch metadata (``num_seqs`` >= 0;
+    ``tok0`` the launch's first token in the call) the LSEs of empty rows are -inf: this rank adds
+    nothing to them. The values go first, so that they are on their way while the search for the
+    empty rows waits for its loads."""
+    rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
+    m2 = (peer < N)[:, None] & rmask[None, :]
     drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
     vmask = m2[:, :, None] & cmask[None, None, :]
     if vals.dtype == tl.float32:  # two 16-bit words a value
@@ -134,6 +131,9 @@ def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, N: tl.constexpr,
                  mask=vmask)
     else:
         tl.store(drow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True), mask=vmask)
+    if num_seqs >= 0:
+        empty = _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, BLOCK_R)
+        lv = tl.where(empty[None, :], float("-inf"), lv)
     tl.store((drow + LSE_OFF).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
 
 
@@ -369,12 +369,13 @@ def lse_alltoall_kernel(
                 vals = nvals
                 t += G
         else:
-            vals, lv = _load_tile(po, lse, t, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h,
-                                  tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, N, HN, BLOCK_R)
+            vals, lv = _load_tile(po, lse, t, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN,
+                                  BLOCK_R)
             while t * BLOCK_R < n_push:
                 nvals, nlv = _load_tile(po, lse, t + G, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b,
-                                        s_lse_h, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, N, HN, BLOCK_R)
-                _store_tile(dst16, t, vals, lv, n_push, peer, c_off, cmask, N, BLOCK_R, ROW, LSE_OFF)
+                                        s_lse_h, N, HN, BLOCK_R)
+                _store_tile(dst16, t, vals, lv, n_push, peer, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl,
+                            s_qsl, N, HN, BLOCK_R, ROW, LSE_OFF)
                 vals, lv = nvals, nlv
                 t += G
         tl.debug_barrier()
@@ -546,8 +547,9 @@ def pack_kernel(po, lse, send, seq_lens, qsl, n_tokens, s_po_b, s_po_h, s_lse_b,
     peer = tl.arange(0, NP)
     dst16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16) + (peer * n_rows).to(tl.int64) * ROW
     vals, lv = _load_tile(po, lse, tl.program_id(0), n_rows, peer, c_off, c_off < D, s_po_b, s_po_h, s_lse_b,
-                          s_lse_h, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, N, HN, BLOCK_R)
-    _store_tile(dst16, tl.program_id(0), vals, lv, n_rows, peer, c_off, c_off < D, N, BLOCK_R, ROW, LSE_OFF)
+                          s_lse_h, N, HN, BLOCK_R)
+    _store_tile(dst16, tl.program_id(0), vals, lv, n_rows, peer, c_off, c_off < D, tok0, seq_lens, qsl, num_seqs,
+                s_sl, s_qsl, N, HN, BLOCK_R, ROW, LSE_OFF)
 
 
 def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write_lse, log2_scale,
