@@ -132,16 +132,17 @@ def unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
         raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
 
 
-def refuse_overlap(inputs: tuple, outputs: tuple) -> None:
+def refuse_overlap(names: tuple, tensors: tuple, n_inputs: int) -> None:
     """Outputs are written while other programs (and, chunk by chunk, later launches) still read
-    the inputs: no output may share memory with an input or with another output. Only views of
-    one allocation can share it: each tensor's allocation is read once, and only tensors of one
+    the inputs: no output may share memory with an input or with another output. ``tensors`` (None
+    where absent) are named by ``names``, the first ``n_inputs`` of them inputs. Only views of one
+    allocation can share memory: each tensor's allocation is read once, and only tensors of one
     allocation are compared further (``overlaps``)."""
-    named = [(name, t, t.untyped_storage().data_ptr()) for name, t in inputs + outputs if t is not None]
-    bases = [base for _, _, base in named]
+    bases = [t.untyped_storage().data_ptr() for t in tensors if t is not None]
     if len(set(bases)) == len(bases):
         return  # every tensor has an allocation of its own
-    first_out = sum(1 for _, t in inputs if t is not None)
+    named = [(name, t, t.untyped_storage().data_ptr()) for name, t in zip(names, tensors) if t is not None]
+    first_out = sum(1 for t in tensors[:n_inputs] if t is not None)
     for i in range(first_out, len(named)):
         a_name, a, a_base = named[i]
         for b_name, b, b_base in named[:i]:

@@ -23,6 +23,8 @@ from dcp.transports import build_transports
 from dcp.watchdog import Watchdog
 
 log = logging.getLogger("dcp")
+_COMBINE_NAMES = ("partial_out", "partial_lse", "out", "out_lse")  # (refuse_overlap's, in the calls' order)
+_GATHER_NAMES = ("q_local", "out")
 
 
 class DcpAllToAll:
@@ -210,8 +212,7 @@ class DcpAllToAll:
                         (B, self.heads_per_rank), dtype=torch.float32, device=self.device)
                 operands = launch_operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
                 if out is not None or out_lse is not None:
-                    refuse_overlap((("partial_out", partial_out), ("partial_lse", partial_lse)),
-                                   (("out", out), ("out_lse", out_lse)))
+                    refuse_overlap(_COMBINE_NAMES, (partial_out, partial_lse, out, out_lse), 2)
                 if operands[0] not in self._loader.ready:
                     self._loader.load(KIND_COMBINE, (partial_out, partial_lse, y), operands)
             except BaseException:
@@ -241,7 +242,7 @@ class DcpAllToAll:
                 y = out if out is not None else torch.empty((B, self.num_heads, self.query_dim),
                                                             dtype=self.query_dtype, device=self.device)
                 if out is not None:
-                    refuse_overlap((("q_local", q_local),), (("out", out),))
+                    refuse_overlap(_GATHER_NAMES, (q_local, out), 1)
                 q16, y16 = as_words("q_local", q_local), as_words("out", y)
                 operands = gather_operands(q16, y16)
                 if operands[0] not in self._loader.ready:
