@@ -133,11 +133,13 @@ def copy_rate() -> float:
 
 
 def floor_bytes(n: int, B: int, hn: int, d: int, shared_device: bool, size: int = 2) -> int:
-    """Bytes one rank's combine moves (read its input, write the packed rows, read them back, write
-    its output; pushed or pulled alike) for values of ``size`` bytes; all ranks together where they
-    share one device's memory."""
+    """Bytes one rank's combine moves (read its input, write the packed rows of the other ranks'
+    head chunks and the LSEs of its own, read them back, write its output; pushed or pulled alike)
+    for values of ``size`` bytes; all ranks together where they share one device's memory. Its own
+    chunk's values are read once, from the input, by the combine."""
     H, row = hn * n, ChannelLayout(n, hn, d, B, value_words=size // 2).row_elems
-    per_rank = B * H * (size * d + 4) + 2 * B * H * row * 2 + B * hn * d * size
+    packed = B * (H - hn) * row * 2 + B * hn * 4
+    per_rank = B * H * (size * d + 4) + 2 * packed + B * hn * d * size
     return per_rank * (n if shared_device else 1)
 
 
@@ -194,8 +196,8 @@ FLOOR_HELP = """
 
 floor: the bytes one call moves as the kernel moves them, at the device-to-device copy rate measured
 at the start of the run (1 GiB copies, bytes read plus written), times N where the ranks share one
-GPU. A combine reads its input [B, H, D] and LSEs, writes the packed rows [B, H, D + LSE], reads them
-back and writes its [B, H/N, D]; a gather reads its [B, H/N, Dq] rows, writes them to N peers (pushed)
+GPU. A combine reads its input [B, H, D] and LSEs, writes the packed rows [B, H - H/N, D + LSE] of
+the other ranks' chunks (of its own, the LSEs only), reads them back and writes its [B, H/N, D]; a gather reads its [B, H/N, Dq] rows, writes them to N peers (pushed)
 or once (pulled), reads the N sources' rows and writes [B, H, Dq]; a layer both. No call beats it."""
 
 

@@ -102,30 +102,31 @@ def _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, BLOCK_R:
     return (b >= tl.load(qsl + num_seqs.to(tl.int64) * s_qsl)) | (local == 0)
 
 
-def _load_tile(po, lse, t, n_rows, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N: tl.constexpr,
+def _load_tile(po, lse, t, n_rows, peer, own, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N: tl.constexpr,
                HN: tl.constexpr, BLOCK_R: tl.constexpr):
     """Tile t of the input for every peer: values [NP, BLOCK_R, DP] and fp32 LSEs [NP, BLOCK_R]
-    (peer d's head chunk; masked off past the last row and for padding peers)."""
+    (peer d's head chunk; masked off past the last row and for padding peers, and the values of
+    peer ``own``: the fused kernel's combine reads this rank's own chunk from the input)."""
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
     head = peer[:, None] * HN + hh[None, :]
     vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :],
-                   mask=m2[:, :, None] & cmask[None, None, :])
+                   mask=(m2 & (peer != own)[:, None])[:, :, None] & cmask[None, None, :])
     lv = tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
     return vals, lv
 
 
-def _store_tile(dst16, t, vals, lv, n_rows, peer, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl,
+def _store_tile(dst16, t, vals, lv, n_rows, peer, own, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl,
                 N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
     """Store a loaded tile as packed rows (the values, then the fp32 LSE at 16-bit word LSE_OFF) at
-    its rows of each peer's destination ``dst16[peer]``. With batch metadata (``num_seqs`` >= 0;
+    its rows of each peer's destination ``dst16[peer]`` (peer ``own``: the LSEs only). With batch metadata (``num_seqs`` >= 0;
     ``tok0`` the launch's first token in the call) the LSEs of empty rows are -inf: this rank adds
     nothing to them. The values go first, so that they are on their way while the search for the
     empty rows waits for its loads."""
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
     drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
-    vmask = m2[:, :, None] & cmask[None, None, :]
+    vmask = (m2 & (peer != own)[:, None])[:, :, None] & cmask[None, None, :]
     if vals.dtype == tl.float32:  # two 16-bit words a value
         tl.store(drow.to(tl.pointer_type(tl.float32), bitcast=True)[:, :, None] + c_off[None, None, :], vals,
                  mask=vmask)
@@ -221,10 +222,11 @@ def _round_to(acc, out_ty: tl.constexpr):
     return acc.to(out_ty, fp_downcast_rounding="rtne")
 
 
-def _combine_rows(src16, row0, src_stride, ctl, to_me, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
+def _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
                   N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
                   LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
-    """LSE-weighted combine of rows ``row0`` of N sources (``_source``: where each one's are).
+    """LSE-weighted combine of rows ``row0`` of N sources (``_source``: where each one's are; the
+    values of source ``own`` at the 16-bit word pointers ``own16``, the rows of the input).
 
     Source by source in [BLOCK_R, DP] blocks, in the layout of the output: a reduction over a peer
     axis would go through shared memory. The loads do not depend on each other, so they overlap.
@@ -251,23 +253,24 @@ def _combine_rows(src16, row0, src_stride, ctl, to_me, y_ptrs, yl_ptrs, rmask, c
     for s in tl.static_range(N):
         src = _source(s, src16, src_stride, ctl, to_me, RECV_OFF, PULL)
         w = tl.exp2((_load_lse(src, row, rmask, ROW, LSE_OFF) - m) * log2_scale) * inv
+        vrow = tl.where(s == own, own16, src + row * ROW)
         if out_ty == tl.float32:  # two 16-bit words a value
-            ov = tl.load((src + row[:, None] * ROW).to(tl.pointer_type(tl.float32), bitcast=True)
-                         + c_off[None, :], mask=omask, other=0.0)
+            ov = tl.load(vrow.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + c_off[None, :], mask=omask,
+                         other=0.0)
         else:
-            ov = tl.load(src + row[:, None] * ROW + c_off[None, :], mask=omask, other=0).to(out_ty, bitcast=True)
+            ov = tl.load(vrow[:, None] + c_off[None, :], mask=omask, other=0).to(out_ty, bitcast=True)
         acc += tl.where(w[:, None] > 0, w[:, None] * ov.to(tl.float32), 0.0)
     tl.store(y_ptrs, _round_to(acc, out_ty), mask=omask)
     if write_lse != 0:
         tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
 
 
-def _finish_combine(src16, row0, src_stride, ctl, to_me, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok, write_lse,
+def _finish_combine(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok, write_lse,
                     log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
                     LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
     """The combine's finish; where the call failed, never leave stale rows: they read as NaN."""
     if ok:
-        _combine_rows(src16, row0, src_stride, ctl, to_me, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse,
+        _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse,
                       log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF, RECV_OFF, PULL)
     else:
         tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(y_ptrs.dtype.element_ty),
@@ -369,12 +372,12 @@ def lse_alltoall_kernel(
                 vals = nvals
                 t += G
         else:
-            vals, lv = _load_tile(po, lse, t, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN,
+            vals, lv = _load_tile(po, lse, t, n_push, peer, rank, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN,
                                   BLOCK_R)
             while t * BLOCK_R < n_push:
-                nvals, nlv = _load_tile(po, lse, t + G, n_push, peer, c_off, cmask, s_po_b, s_po_h, s_lse_b,
+                nvals, nlv = _load_tile(po, lse, t + G, n_push, peer, rank, c_off, cmask, s_po_b, s_po_h, s_lse_b,
                                         s_lse_h, N, HN, BLOCK_R)
-                _store_tile(dst16, t, vals, lv, n_push, peer, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl,
+                _store_tile(dst16, t, vals, lv, n_push, peer, rank, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl,
                             s_qsl, N, HN, BLOCK_R, ROW, LSE_OFF)
                 vals, lv = nvals, nlv
                 t += G
@@ -469,7 +472,16 @@ def lse_alltoall_kernel(
                     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
                     y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
                     yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
-                    _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX * ROW, ctl, to_me, y_ptrs, yl_ptrs, rmask,
+                    # This rank's own rows are never pushed: the combine reads them from the input.
+                    own16 = po.to(tl.pointer_type(tl.int16), bitcast=True)
+                    if ALIGNED:
+                        own16 = tl.multiple_of(own16, 16)
+                    own_off = tok * s_po_b + (rank * HN + hh) * s_po_h
+                    if po.dtype.element_ty == tl.float32:
+                        own_off *= 2
+                    own16 += own_off
+                    _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX * ROW, ctl, to_me, own16, rank, y_ptrs,
+                                    yl_ptrs, rmask,
                                     c_off, cmask, code < 0, write_lse, log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF,
                                     RECV_OFF, PULL)
             t += G
@@ -546,9 +558,9 @@ def pack_kernel(po, lse, send, seq_lens, qsl, n_tokens, s_po_b, s_po_h, s_lse_b,
     c_off = tl.arange(0, DP)
     peer = tl.arange(0, NP)
     dst16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16) + (peer * n_rows).to(tl.int64) * ROW
-    vals, lv = _load_tile(po, lse, tl.program_id(0), n_rows, peer, c_off, c_off < D, s_po_b, s_po_h, s_lse_b,
+    vals, lv = _load_tile(po, lse, tl.program_id(0), n_rows, peer, -1, c_off, c_off < D, s_po_b, s_po_h, s_lse_b,
                           s_lse_h, N, HN, BLOCK_R)
-    _store_tile(dst16, tl.program_id(0), vals, lv, n_rows, peer, c_off, c_off < D, tok0, seq_lens, qsl, num_seqs,
+    _store_tile(dst16, tl.program_id(0), vals, lv, n_rows, peer, -1, c_off, c_off < D, tok0, seq_lens, qsl, num_seqs,
                 s_sl, s_qsl, N, HN, BLOCK_R, ROW, LSE_OFF)
 
 
@@ -561,7 +573,7 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
     rows, rmask, tok, hh = _tile_rows(tl.program_id(0), n_rows, HN, BLOCK_R)
     c_off = tl.arange(0, DP)
     recv16 = tl.multiple_of(recv.to(tl.pointer_type(tl.int16), bitcast=True), 16)
-    _combine_rows(recv16, rows.to(tl.int64), n_rows.to(tl.int64) * ROW, recv, 0,
+    _combine_rows(recv16, rows.to(tl.int64), n_rows.to(tl.int64) * ROW, recv, 0, recv16 + rows.to(tl.int64) * ROW, -1,
                   y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :],
                   y_lse + tok * s_yl_b + hh * s_yl_h, rmask, c_off, c_off < D, write_lse, log2_scale,
                   N, BLOCK_R, DP, ROW, LSE_OFF, 0, False)
