@@ -3,9 +3,9 @@
 Fused (``lse_alltoall_kernel``, one launch per call). Every rank runs the same grid. Program ``p``
 owns the row tiles ``p, p + G, ...`` (a row is one (token, head) pair of the flattened
 ``[B * H/N]`` space of a head chunk; a tile holds those rows for every peer) on every rank. It packs
-its tiles straight into every destination's receive slot, fences once and publishes one flag per
-tile and destination; then it waits for the same tiles from every source, fences once and combines
-them. A waiting program only depends on programs with the same index on other ranks, so the
+its tiles straight into every destination's receive slot (its own chunk's LSEs only: the combine
+reads those values from the input), fences once and publishes one flag per tile and destination;
+then it waits for the same tiles from every source, fences once and combines them. A waiting program only depends on programs with the same index on other ranks, so the
 protocol needs no ordering between programs of one rank.
 
 Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp.protocol``)::
