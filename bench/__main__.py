@@ -197,8 +197,9 @@ FLOOR_HELP = """
 floor: the bytes one call moves as the kernel moves them, at the device-to-device copy rate measured
 at the start of the run (1 GiB copies, bytes read plus written), times N where the ranks share one
 GPU. A combine reads its input [B, H, D] and LSEs, writes the packed rows [B, H - H/N, D + LSE] of
-the other ranks' chunks (of its own, the LSEs only), reads them back and writes its [B, H/N, D]; a gather reads its [B, H/N, Dq] rows, writes them to N peers (pushed)
-or once (pulled), reads the N sources' rows and writes [B, H, Dq]; a layer both. No call beats it."""
+the other ranks' chunks (of its own, the LSEs only), reads them back and writes its [B, H/N, D]; a
+gather reads its [B, H/N, Dq] rows, writes them to N peers (pushed) or once (pulled), reads the N
+sources' rows and writes [B, H, Dq]; a layer both. No call beats it."""
 
 
 def default_worlds(gpus: int) -> list:

@@ -5,8 +5,9 @@ owns the row tiles ``p, p + G, ...`` (a row is one (token, head) pair of the fla
 ``[B * H/N]`` space of a head chunk; a tile holds those rows for every peer) on every rank. It packs
 its tiles straight into every destination's receive slot (its own chunk's LSEs only: the combine
 reads those values from the input), fences once and publishes one flag per tile and destination;
-then it waits for the same tiles from every source, fences once and combines them. A waiting program only depends on programs with the same index on other ranks, so the
-protocol needs no ordering between programs of one rank.
+then it waits for the same tiles from every source, fences once and combines them. A waiting
+program only depends on programs with the same index on other ranks, so the protocol needs no
+ordering between programs of one rank.
 
 Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp.protocol``)::
 
@@ -119,10 +120,10 @@ def _load_tile(po, lse, t, n_rows, peer, own, c_off, cmask, s_po_b, s_po_h, s_ls
 def _store_tile(dst16, t, vals, lv, n_rows, peer, own, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl,
                 N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
     """Store a loaded tile as packed rows (the values, then the fp32 LSE at 16-bit word LSE_OFF) at
-    its rows of each peer's destination ``dst16[peer]`` (peer ``own``: the LSEs only). With batch metadata (``num_seqs`` >= 0;
-    ``tok0`` the launch's first token in the call) the LSEs of empty rows are -inf: this rank adds
-    nothing to them. The values go first, so that they are on their way while the search for the
-    empty rows waits for its loads."""
+    its rows of each peer's destination ``dst16[peer]`` (peer ``own``: the LSEs only). With batch
+    metadata (``num_seqs`` >= 0; ``tok0`` the launch's first token in the call) the LSEs of empty
+    rows are -inf: this rank adds nothing to them. The values go first, so that they are on their
+    way while the search for the empty rows waits for its loads."""
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
     drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
@@ -222,8 +223,8 @@ def _round_to(acc, out_ty: tl.constexpr):
     return acc.to(out_ty, fp_downcast_rounding="rtne")
 
 
-def _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse, log2_scale,
-                  N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
+def _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask,
+                  write_lse, log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
                   LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
     """LSE-weighted combine of rows ``row0`` of N sources (``_source``: where each one's are; the
     values of source ``own`` at the 16-bit word pointers ``own16``, the rows of the input).
@@ -265,8 +266,8 @@ def _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_pt
         tl.store(yl_ptrs, tl.where(wsum > 0, tl.log2(wsum) / log2_scale + m, float("-inf")), mask=rmask)
 
 
-def _finish_combine(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok, write_lse,
-                    log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
+def _finish_combine(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok,
+                    write_lse, log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
                     LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
     """The combine's finish; where the call failed, never leave stale rows: they read as NaN."""
     if ok:
