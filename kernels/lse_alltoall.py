@@ -225,9 +225,11 @@ def _round_to(acc, out_ty: tl.constexpr):
 
 def _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask,
                   write_lse, log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
-                  LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
+                  LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr, OWN_ALIGNED: tl.constexpr):
     """LSE-weighted combine of rows ``row0`` of N sources (``_source``: where each one's are; the
-    values of source ``own`` at the 16-bit word pointers ``own16``, the rows of the input).
+    values of source ``own`` at the 16-bit word pointers ``own16``, the rows of the input, 16-byte
+    aligned where OWN_ALIGNED: the row pointer is picked per source, and Triton 3.8 and 3.9 prove
+    no alignment for the pick, so without the hint every source's loads lose their vectors).
 
     Source by source in [BLOCK_R, DP] blocks, in the layout of the output: a reduction over a peer
     axis would go through shared memory. The loads do not depend on each other, so they overlap.
@@ -256,10 +258,12 @@ def _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_pt
         w = tl.exp2((_load_lse(src, row, rmask, ROW, LSE_OFF) - m) * log2_scale) * inv
         vrow = tl.where(s == own, own16, src + row * ROW)
         if out_ty == tl.float32:  # two 16-bit words a value
-            ov = tl.load(vrow.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + c_off[None, :], mask=omask,
-                         other=0.0)
-        else:
-            ov = tl.load(vrow[:, None] + c_off[None, :], mask=omask, other=0).to(out_ty, bitcast=True)
+            vrow = vrow.to(tl.pointer_type(tl.float32), bitcast=True)
+        if OWN_ALIGNED:
+            vrow = tl.multiple_of(vrow, 16)
+        ov = tl.load(vrow[:, None] + c_off[None, :], mask=omask, other=0)
+        if out_ty != tl.float32:
+            ov = ov.to(out_ty, bitcast=True)
         acc += tl.where(w[:, None] > 0, w[:, None] * ov.to(tl.float32), 0.0)
     tl.store(y_ptrs, _round_to(acc, out_ty), mask=omask)
     if write_lse != 0:
@@ -268,11 +272,11 @@ def _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_pt
 
 def _finish_combine(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask, ok,
                     write_lse, log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
-                    LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr):
+                    LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr, OWN_ALIGNED: tl.constexpr):
     """The combine's finish; where the call failed, never leave stale rows: they read as NaN."""
     if ok:
         _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask, write_lse,
-                      log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF, RECV_OFF, PULL)
+                      log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF, RECV_OFF, PULL, OWN_ALIGNED)
     else:
         tl.store(y_ptrs, tl.full([BLOCK_R, DP], float("nan"), tl.float32).to(y_ptrs.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
@@ -474,17 +478,14 @@ def lse_alltoall_kernel(
                     y_ptrs = y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :]
                     yl_ptrs = y_lse + tok * s_yl_b + hh * s_yl_h
                     # This rank's own rows are never pushed: the combine reads them from the input.
-                    own16 = po.to(tl.pointer_type(tl.int16), bitcast=True)
-                    if ALIGNED:
-                        own16 = tl.multiple_of(own16, 16)
                     own_off = tok * s_po_b + (rank * HN + hh) * s_po_h
                     if po.dtype.element_ty == tl.float32:
                         own_off *= 2
-                    own16 += own_off
+                    own16 = po.to(tl.pointer_type(tl.int16), bitcast=True) + own_off
                     _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX * ROW, ctl, to_me, own16, rank, y_ptrs,
                                     yl_ptrs, rmask,
                                     c_off, cmask, code < 0, write_lse, log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF,
-                                    RECV_OFF, PULL)
+                                    RECV_OFF, PULL, ALIGNED)
             t += G
         if (code == _TIMEOUT) & (tag != _TAG_POISONED):
             # Retract this program's flags of the timed-out call: a peer that comes late (it may
@@ -577,7 +578,7 @@ def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write
     _combine_rows(recv16, rows.to(tl.int64), n_rows.to(tl.int64) * ROW, recv, 0, recv16 + rows.to(tl.int64) * ROW, -1,
                   y + tok[:, None] * s_y_b + hh[:, None] * s_y_h + c_off[None, :],
                   y_lse + tok * s_yl_b + hh * s_yl_h, rmask, c_off, c_off < D, write_lse, log2_scale,
-                  N, BLOCK_R, DP, ROW, LSE_OFF, 0, False)
+                  N, BLOCK_R, DP, ROW, LSE_OFF, 0, False, True)
 
 
 def clock_kernel(out, n):
