@@ -483,9 +483,8 @@ def lse_alltoall_kernel(
                         own_off *= 2
                     own16 = po.to(tl.pointer_type(tl.int16), bitcast=True) + own_off
                     _finish_combine(recv16, rows.to(tl.int64), ROWS_MAX * ROW, ctl, to_me, own16, rank, y_ptrs,
-                                    yl_ptrs, rmask,
-                                    c_off, cmask, code < 0, write_lse, log2_scale, N, BLOCK_R, DP, ROW, LSE_OFF,
-                                    RECV_OFF, PULL, ALIGNED)
+                                    yl_ptrs, rmask, c_off, cmask, code < 0, write_lse, log2_scale, N, BLOCK_R, DP,
+                                    ROW, LSE_OFF, RECV_OFF, PULL, ALIGNED)
             t += G
         if (code == _TIMEOUT) & (tag != _TAG_POISONED):
             # Retract this program's flags of the timed-out call: a peer that comes late (it may
