@@ -134,14 +134,16 @@ def test_the_summary_is_one_short_table_per_group_size():
 
 def test_the_floor_counts_the_bytes_as_the_kernel_moves_them():
     """A pulled gather writes its rows once, not once per peer: its floor is lower. In the kept
-    results (docs/results/h200's CSVs) every pushed and pulled gather's floor is its own bytes at
+    results (the CSVs of docs/results/h200 and h100) every pushed and pulled gather's floor is its own bytes at
     one copy rate per run, and no call beats its floor."""
     pushed = op_bytes("gather", 3, 512, 16, 512, 576, 2, True)[1]
     pulled = op_bytes("gather", 3, 512, 16, 512, 576, 2, True, gather_pulled=True)[1]
     rows, out = 512 * 16 * 576 * 2, 3 * 512 * 16 * 576 * 2
     assert (pushed, pulled) == (3 * (rows + 3 * out), 3 * (2 * rows + 2 * out))
     checked = 0
-    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "results", "h200", "**", "*.csv"), recursive=True)):
+    paths = [glob.glob(os.path.join(ROOT, "docs", "results", kind, "**", "*.csv"), recursive=True)
+             for kind in ("h200", "h100")]
+    for path in sorted(sum(paths, [])):
         with open(path) as f:
             kept = [r for r in csv.DictReader(f) if r.get("op") == "gather" and r.get("mode") == "graph8"
                     and r.get("backend") in ("push", "pull") and r.get("floor_us") not in (None, "", "nan")]
