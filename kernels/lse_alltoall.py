@@ -107,7 +107,7 @@ def _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, top, h1,
     waits for log_WAYS(num_seqs) - 1 load round trips, and there is no reduction and no barrier.
     Eight ways measured best (design, section 8: against counting every sequence in blocks of 64,
     a binary search, and sixteen ways); reading the first step once per program, not per row, took
-    N = 3, B = 64 with metadata from 13.6 to 11.3 us on one H100 (design, section 7)."""
+    N = 3, B = 64 with metadata from 13.6 to 11.3 us on one H100 (design, section 8)."""
     b = tok + tok0
     n = ((h1 <= b).to(tl.int32) + (h2 <= b).to(tl.int32) + (h3 <= b).to(tl.int32) + (h4 <= b).to(tl.int32)
          + (h5 <= b).to(tl.int32) + (h6 <= b).to(tl.int32) + (h7 <= b).to(tl.int32))
