@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dcp import plan as auto_plan
 from dcp.config import Config
 from dcp.constants import KIND_COMBINE, KIND_GATHER, TAG_ABORT
-from dcp.launch import gather_operands, launch_operands
+from dcp.launch import gather_operands, launch_operands, metadata
 from dcp.protocol import call_tag
 from dcp.rendezvous import agree
 
@@ -33,6 +33,10 @@ def measure_plan(group: dist.ProcessGroup, config: Config, transports: dict, lef
         y16 = torch.empty((mt, config.num_heads, config.query_words), dtype=torch.int16, device=dev)
         calls = {KIND_COMBINE: (launch_operands(po, lse, y, None), po, lse, y),
                  KIND_GATHER: (gather_operands(q16, y16), q16, lse[:1, :1], y16)}
+        calls[auto_plan.COMBINE_META] = calls[KIND_COMBINE]
+        # A decode batch's metadata (a token per sequence, none empty) for the layers timed with it.
+        ones, starts = torch.ones(mt, dtype=torch.int32, device=dev), torch.arange(mt + 1, dtype=torch.int32, device=dev)
+        metas = {b: metadata(dev, ones[:b], starts[:b + 1]) for b in auto_plan.ladder(mt)}
         timer = auto_plan.GraphTimer(dev) if cuda else auto_plan.HostTimer()
     except Exception as exc:  # reported to every rank by agree()
         error = f"{type(exc).__name__}: {exc}"
@@ -41,9 +45,11 @@ def measure_plan(group: dist.ProcessGroup, config: Config, transports: dict, lef
     def runner(transport):
         def run(kind: int, b: int) -> None:
             operands, a, l, out = calls[kind]
+            meta = metas[b] if kind == auto_plan.COMBINE_META else None
+            kind = KIND_COMBINE if meta is not None else kind
             try:
                 transport.launch(operands=operands, po=a[:b], lse=l if kind == KIND_GATHER else l[:b], y=out[:b],
-                                 y_lse=None, n_tokens=b, tag=call_tag(kind, b), channel=0, base_e=True)
+                                 y_lse=None, n_tokens=b, tag=call_tag(kind, b), channel=0, base_e=True, meta=meta)
             except Exception:
                 # The peers' call fails at once, not on the timeout: their next calls, on another
                 # candidate, then meet this rank's in time.

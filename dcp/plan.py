@@ -6,11 +6,13 @@ transport (the push and the pull) over a ladder of call sizes (``measure``), the
 exchange their tables, and each derives the same plan from the same numbers (``choose``): for each
 collective and measured size, the candidate whose slowest rank was fastest. Where that sends a
 size's gather and combine to different transports, a layer (the gather, then the combine) is timed
-on each transport alone and that way (``layer_points``): on one H200 a pulled gather and a pushed
-combine took 1.18x the pull alone. Where the mix is as fast as the fastest layer, each collective
-keeps its own choice; else the fastest layer's transports serve both within a layer, and a
-combine that does not follow a gather on its channel (``combine_alone``: a FlashAttention layer's)
-keeps its own. Every rank therefore sends a call of a given size, after the same calls, to the
+on each transport alone and that way (``layer_points``), once as SGLang calls it and once with a
+decode batch's metadata, as vLLM's MLA layers do: on one H200 a pulled gather and a pushed combine
+took 1.18x the pull alone, and on one H100 the metadata cost a pushed combine more than a pulled
+one. Where the mix is as fast as the fastest layer both ways, each collective keeps its own choice;
+else the first layer that is (or the one least behind) serves both within a layer, and a combine
+that does not follow a gather on its channel (``combine_alone``: a FlashAttention layer's) keeps
+its own. Every rank therefore sends a call of a given size, after the same calls, to the
 same transport, whatever its own clock said.
 """
 
@@ -26,6 +28,8 @@ from dcp.rendezvous import all_gather
 
 KINDS = {KIND_COMBINE: "combine", KIND_GATHER: "gather"}
 LAYER = "layer"  # a layer's key in a table: (LAYER, gather's transport, combine's transport, size)
+LAYER_META = "layer, metadata"  # the same layer, its combine given a decode batch's metadata
+COMBINE_META = "combine, metadata"  # a call's kind in a layer point: the combine with that metadata
 ALONE = "combine alone"  # the routes of combines that do not follow a gather on their channel
 # Within this fraction of the fastest, or this many us, a time ties with it: of the collectives' own
 # choices the push wins a tie (the most proven), of the layers the mix (``choose``). Timed in graphs
@@ -62,7 +66,8 @@ class Route:
 class Plan:
     """The agreed plan (identical on every rank): ``transport(kind, B)``, its ``routes``, the
     candidates ``left_out`` and why, how long the measurement took (``seconds``), the ``layers``
-    timed and the (kind, size) whose choice they changed (``overruled``)."""
+    timed (``(gather's, combine's)`` and, with metadata, ``(gather's, combine's, "metadata")``)
+    and the (kind, size) whose choice they changed (``overruled``)."""
 
     def __init__(self, max_tokens: int, choices: dict, left_out: dict, seconds: float, candidates: list,
                  tables: list, sizes: list, layers: dict, overruled: set, alone: Optional[list] = None):
@@ -163,7 +168,7 @@ class Plan:
         layers = [size for size in sorted(at) if size in self.layers]
         if layers:
             lines.append("  layer   " + "; ".join(f"{label(size)}: " + _times(
-                {_pair(p) + "*" * (p == self._layer_pair(size)): us for p, us in self.layers[size].items()})
+                {_pair(p) + "*" * (p[:2] == self._layer_pair(size)): us for p, us in self.layers[size].items()})
                 for size in layers))
         return "\n".join(lines)
 
@@ -182,8 +187,9 @@ class Plan:
 
 
 def _pair(pair: tuple) -> str:
-    """A layer's transports: one name where both collectives take it, else gather+combine."""
-    return pair[0] if pair[0] == pair[1] else f"{pair[0]}+{pair[1]}"
+    """A layer's transports: one name where both collectives take it, else gather+combine; " meta"
+    where its combine had metadata."""
+    return (pair[0] if pair[0] == pair[1] else f"{pair[0]}+{pair[1]}") + " meta" * (len(pair) > 2)
 
 
 def _sizes(r: "Route") -> str:
@@ -199,10 +205,12 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
     """The plan from every rank's table (``tables[r][(candidate, kind, size)]``: us per call on rank
     r): at each size, each candidate's time is its slowest rank's, and the fastest wins (ties within
     ``TIE`` or ``TIE_US`` to the earlier candidate). ``candidates`` in order of preference, none left out.
-    ``layer_tables[r][(LAYER, gather's, combine's, size)]``: where a size's two choices differ and
-    its layers were timed, they stand if the mixed layer ties with the fastest layer (a
-    collective called alone then keeps its own faster transport); else the fastest layer decides
-    both (ties in ``_layer_pairs``' order), and the combine's own choice stays its route alone."""
+    ``layer_tables[r][(LAYER, gather's, combine's, size)]`` (and ``LAYER_META``'s, where timed):
+    where a size's two choices differ and its layers were timed, they stand if the mixed layer ties
+    with the fastest layer in each way timed (a collective called alone then keeps its own faster
+    transport); else the first layer in ``_layer_pairs``' order that does decides both, or where
+    none does, the one least behind the fastest at its worst; the combine's own choice stays its
+    route alone."""
     slowest = lambda key, ts: max(t[key] for t in ts)  # noqa: E731
     choices = {kind: [] for kind in KINDS}
     layers, overruled, alone = {}, set(), []
@@ -216,11 +224,15 @@ def choose(tables: list, candidates: list, sizes: list, left_out: dict, max_toke
         mix = picked[KIND_GATHER][0], picked[KIND_COMBINE][0]
         pairs = _layer_pairs(mix, candidates)
         if mix[0] != mix[1] and layer_tables and all((LAYER, *p, b) in t for p in pairs for t in layer_tables):
-            times = {p: slowest((LAYER, *p, b), layer_tables) for p in pairs}
-            best = min(times.values())
-            g, c = next(p for p in [mix] + pairs if _ties(times[p], best))
+            ways = [{p: slowest((LAYER, *p, b), layer_tables) for p in pairs}]
+            if all((LAYER_META, *p, b) in t for p in pairs for t in layer_tables):
+                ways.append({p: slowest((LAYER_META, *p, b), layer_tables) for p in pairs})
+            fits = [p for p in [mix] + pairs if all(_ties(t[p], min(t.values())) for t in ways)]
+            g, c = fits[0] if fits else min([mix] + pairs, key=lambda p: max(t[p] / min(t.values()) for t in ways))
             picked = {KIND_GATHER: (g, picked[KIND_GATHER][1]), KIND_COMBINE: (c, picked[KIND_COMBINE][1])}
-            layers[b] = times
+            layers[b] = dict(ways[0])
+            if len(ways) > 1:
+                layers[b].update({(*p, "metadata"): us for p, us in ways[1].items()})
             overruled |= {(kind, b) for kind, name, was in ((KIND_GATHER, g, mix[0]), (KIND_COMBINE, c, mix[1]))
                           if name != was}
         for kind in KINDS:
@@ -241,11 +253,13 @@ def op_points(candidates: list, sizes: list) -> list:
 
 def layer_points(plan: Plan) -> list:
     """``measure``'s points that check a plan's mixed sizes: at each, a layer (the gather, then the
-    combine of the same size) as the plan has it, and on each of its candidates alone."""
+    combine of the same size) as the plan has it, and on each of its candidates alone; each without
+    and with metadata (its combine's kind ``COMBINE_META``)."""
     points = []
     for b in plan.mixed_sizes():
         pairs = _layer_pairs((plan.by_size[KIND_GATHER][b], plan.by_size[KIND_COMBINE][b]), plan.candidates)
-        points += [((LAYER, g, c), ((g, KIND_GATHER), (c, KIND_COMBINE)), b) for g, c in pairs]
+        points += [((key, g, c), ((g, KIND_GATHER), (c, kind)), b)
+                   for key, kind in ((LAYER, KIND_COMBINE), (LAYER_META, COMBINE_META)) for g, c in pairs]
     return points
 
 

@@ -9,7 +9,7 @@ import torch
 
 from dcp.constants import KIND_COMBINE, KIND_GATHER
 from dcp.protocol import POISONED_NOTE
-from dcp.plan import LAYER, HostTimer, Plan, choose, ladder, layer_points, measure, op_points
+from dcp.plan import COMBINE_META, LAYER, LAYER_META, HostTimer, Plan, choose, ladder, layer_points, measure, op_points
 from tests import auto_cases as ac
 from tests import gather_cases as gc
 from tests import lockstep_cases as lc
@@ -24,17 +24,23 @@ def _table(times: dict) -> list:
     return [((name, kind, b), t[i]) for (kind, b), t in times.items() for i, name in enumerate(CANDIDATES)]
 
 
-def _layers(times: dict) -> list:
-    """{size: (mixed, triton alone, pull alone) us} as a rank's layer times at the sizes MIXED mixes."""
+def _layers(times: dict, key: str = LAYER) -> list:
+    """{size: (mixed, triton alone, pull alone) us} as a rank's layer times at the sizes MIXED mixes
+    (``key``: LAYER_META for those with metadata)."""
     mixed = {1: ("triton", "pull"), 2: ("pull", "triton")}
-    return [((LAYER, *pair, b), t[i]) for b, t in times.items()
+    return [((key, *pair, b), t[i]) for b, t in times.items()
             for i, pair in enumerate((mixed[b], ("triton", "triton"), ("pull", "pull")))]
+
+
+def _both(times: dict) -> list:
+    """The same layer times without and with metadata."""
+    return _layers(times) + _layers(times, LAYER_META)
 
 
 # Each candidate wins somewhere: combine B = 1 pull, B = 2 push; gather B = 1 push, B = 2 pull;
 # so each size's layer mixes them, and its layer times (made up too) keep the mix.
 MIXED = _table({(KIND_COMBINE, 1): (10, 5), (KIND_COMBINE, 2): (10, 30),
-                (KIND_GATHER, 1): (10, 20), (KIND_GATHER, 2): (50, 40)}) + _layers({1: (15, 30, 25), 2: (70, 80, 90)})
+                (KIND_GATHER, 1): (10, 20), (KIND_GATHER, 2): (50, 40)}) + _both({1: (15, 30, 25), 2: (70, 80, 90)})
 
 
 def test_ladder_and_plan_rules():
@@ -78,7 +84,11 @@ def test_a_layer_decides_where_the_collectives_mix():
     assert points[:3] == [
         ((LAYER, "triton", "triton"), (("triton", KIND_GATHER), ("triton", KIND_COMBINE)), 1),
         ((LAYER, "pull", "pull"), (("pull", KIND_GATHER), ("pull", KIND_COMBINE)), 1),
-        ((LAYER, "triton", "pull"), (("triton", KIND_GATHER), ("pull", KIND_COMBINE)), 1)] and len(points) == 6
+        ((LAYER, "triton", "pull"), (("triton", KIND_GATHER), ("pull", KIND_COMBINE)), 1)] and len(points) == 12
+    assert points[3:6] == [  # the same layers, their combines with a decode batch's metadata
+        ((LAYER_META, "triton", "triton"), (("triton", KIND_GATHER), ("triton", COMBINE_META)), 1),
+        ((LAYER_META, "pull", "pull"), (("pull", KIND_GATHER), ("pull", COMBINE_META)), 1),
+        ((LAYER_META, "triton", "pull"), (("triton", KIND_GATHER), ("pull", COMBINE_META)), 1)], points
     # B = 1: the pull alone beats the mix on the slowest rank; B = 2: the push alone is within 1% of
     # the mix, which is the fastest: the mix stands
     fast = dict(_layers({1: (20, 30, 10), 2: (100, 101, 90)}))
@@ -131,6 +141,32 @@ def test_a_layer_decides_where_the_collectives_mix():
     # no layer times for a size (or none on one rank): its two choices stand
     assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.1, [dict(_layers({2: (1, 2, 3)}))]).mixed_sizes() == [1, 2]
     assert choose([ops, ops], CANDIDATES, [1, 2], {}, 2, 0.1, [fast, {}]).mixed_sizes() == [1, 2]
+
+
+def test_layers_with_metadata_decide_too():
+    """Layers are timed without and with metadata (vLLM's MLA layers pass it, SGLang's do not): the
+    mix stands only where it ties with the fastest layer both ways; else the first layer that does
+    (the push alone first) serves both, or where none does, the one least behind at its worst."""
+    ops = dict(MIXED[:8])
+    plain = dict(_layers({1: (20, 30, 10), 2: (27.8, 28.9, 28.0)}))  # B = 2: the mix fastest, the pull ties
+    meta = dict(_layers({1: (20, 30, 10), 2: (29.0, 29.8, 28.2)}, LAYER_META))  # with metadata only the pull
+    plan = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [plain | meta])
+    assert plan.by_size[KIND_GATHER][2] == plan.by_size[KIND_COMBINE][2] == "pull", plan.by_size
+    assert (KIND_COMBINE, 2) in plan.overruled and plan.combine_alone[2] == "triton", plan.overruled
+    assert plan.layers[2][("pull", "triton", "metadata")] == 29.0 and plan.layers[2][("pull", "triton")] == 27.8
+    text = str(plan)
+    assert "B = 2        pull        (triton 28.9  pull 28.0  pull+triton 27.8  triton meta 29.8  " \
+           "pull meta 28.2  pull+triton meta 29.0)" in text, text
+    assert "pull+triton meta 29.0" in plan.times_at([2]) and "pull* 28.0" in plan.times_at([2]), plan.times_at([2])
+    # the mix ties both ways: it stands; without the metadata times, the plain ones alone decide
+    tied = dict(_layers({1: (20, 30, 10), 2: (28.1, 29.8, 28.2)}, LAYER_META))
+    assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [plain | tied]).mixed_sizes() == [2]
+    assert choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [plain]).mixed_sizes() == [2]
+    # no layer ties both ways: the least behind at its worst (push 1.04 / 1.00, pull 1.00 / 1.10)
+    apart = dict(_layers({1: (20, 30, 10), 2: (120, 104, 100)})) | dict(
+        _layers({1: (20, 30, 10), 2: (120, 100, 110)}, LAYER_META))
+    plan = choose([ops], CANDIDATES, [1, 2], {}, 2, 0.2, [apart])
+    assert plan.by_size[KIND_GATHER][2] == plan.by_size[KIND_COMBINE][2] == "triton", plan.by_size
 
 
 def test_measure_runs_a_first_step_before_the_timer_and_survives_a_refused_timing():
@@ -226,7 +262,8 @@ def test_measure_keeps_the_other_candidates_calls_when_one_fails():
     healthy, none, table = record(-1)
     broken, failed, _ = record(5)  # the pull's 5th call: within its own steps
     assert healthy == broken and not none and list(failed) == ["pull"] and "boom" in failed["pull"], failed
-    assert len(healthy) == 3 * 4 + 3 * 2 * 3 and (LAYER, "triton", "pull", 1) in table
+    assert len(healthy) == 3 * 4 + 2 * 3 * 2 * 3 and (LAYER, "triton", "pull", 1) in table
+    assert (LAYER_META, "triton", "pull", 1) in table and ("triton", COMBINE_META, 1) in healthy
     later, failed, _ = record(3 * 4 + 4)  # a call of the pull within the layers
     assert later == healthy and list(failed) == ["pull"], failed
 
@@ -267,7 +304,7 @@ def test_a_combine_alone_keeps_its_own_transport_where_a_layer_overruled_it(worl
     n = 3
     w = worlds(n)
     tables = _table({(KIND_COMBINE, 1): (10, 5), (KIND_COMBINE, 2): (10, 30), (KIND_GATHER, 1): (10, 20),
-                     (KIND_GATHER, 2): (50, 40)}) + _layers({1: (15, 30, 25), 2: (90, 80, 70)})
+                     (KIND_GATHER, 2): (50, 40)}) + _both({1: (15, 30, 25), 2: (90, 80, 70)})
     res = w.run(ac.make_auto, "a", tables=[tables] * n, max_tokens=2, num_heads=2 * n, head_dim=16, query_dim=24)
     assert all(r == res[0] for r in res) and res[0]["in_use"] == CANDIDATES, res
     assert res[0]["by_size"][KIND_COMBINE] == ["pull", "pull", "pull"], res[0]
@@ -306,16 +343,17 @@ def test_a_combine_alone_keeps_its_own_transport_where_a_layer_overruled_it(worl
 
 def test_layers_timed_for_real_can_overrule_the_collectives(worlds):
     """The collectives' times made up (mixed at B = 1, 2), the layers' at B = 1 too (the push
-    alone wins), B = 2's timed for real: every rank has the same plan, B = 1 goes to the push for
-    both collectives, and every route's result is the reference's."""
+    alone wins, with metadata too), B = 2's timed for real, both ways: every rank has the same plan,
+    B = 1 goes to the push for both collectives, and every route's result is the reference's."""
     n = 3
     w = worlds(n)
-    made = MIXED[:8] + _layers({1: (20, 10, 30)})
+    made = MIXED[:8] + _both({1: (20, 10, 30)})
     res = w.run(ac.make_auto, "a", tables=[made] * n, max_tokens=2, num_heads=2 * n, head_dim=16, query_dim=24)
     assert all(r == res[0] for r in res) and res[0]["phases"] == 2, res
     by_size, layers = res[0]["by_size"], res[0]["plan"]["layers"]
     assert by_size[KIND_COMBINE][:2] == by_size[KIND_GATHER][:2] == ["triton", "triton"], res[0]
-    assert set(layers) == {1, 2} and set(layers[2]) == {"pull+triton", "triton", "pull"}, layers
+    assert set(layers) == {1, 2} and set(layers[2]) == {"pull+triton", "triton", "pull", "pull+triton meta",
+                                                         "triton meta", "pull meta"}, layers
     assert all(us > 0 for us in layers[2].values()) and re.search(r"\n  layer +B = 2 ", res[0]["text"]), res[0]["text"]
     seed = fresh_seed()
     for i, B in enumerate((1, 2, 3)):
