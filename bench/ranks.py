@@ -222,8 +222,9 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
     """mode: eager, graph (one call per graph) or graph8 (eight calls per graph, like layers); op:
     combine (``lse_reduce``), gather (``all_gather_heads``) or layer (a gather, then a combine).
     ``metadata``: every combine gets a decode batch's ``seq_lens`` and ``query_start_loc``, as vLLM's
-    MLA layers pass them. Each op's result is first checked: the combine against float64 (of the
-    LSEs the metadata masks), the gather byte for byte."""
+    MLA layers pass them, a step per timed step. Each op's result is checked, first and after the
+    timed steps: the combine against float64 (of the LSEs the metadata masks), the gather byte for
+    byte."""
     comm: DcpAllToAll = state["comm"]
     dev, n, rank, hn = comm.device, comm.world, comm.rank, comm.heads_per_rank
     H, D = comm.num_heads, comm.head_dim
@@ -238,7 +239,10 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
         lens, qsl = decode_metadata(seed + 2, n, B)
         lses = [mask_by_metadata(l, s, qsl) for l, s in zip(lses, lens)]  # for the reference
         meta = dict(seq_lens=lens[rank].to(dev), query_start_loc=qsl.to(dev))
-    combine = lambda: comm.lse_reduce(po, pl, out=y, **meta)
+    # One model step per timed step (a graph, or an eager call), as vLLM's forward context: a graph8
+    # step's first combine searches the metadata, the other seven read its verdicts.
+    step = [None]
+    combine = lambda: comm.lse_reduce(po, pl, out=y, step=step[0], **meta)
     gather_q = lambda: comm.all_gather_heads(q, out=q_all)
 
     def layer() -> None:
@@ -246,15 +250,22 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
         combine()
 
     call = {"combine": combine, "gather": gather_q, "layer": layer}[op]
+
+    def checked(when: str) -> float:
+        """The largest relative error of the combine's result (0 for a gather); raises on a wrong one."""
+        err = 0.0
+        if op != "gather":
+            err = max_rel_error(y, chunk_reference(outs, lses, rank, hn)[0])
+            assert err < 1.6e-2, f"B={B}: result {when} differs from the reference ({err})"
+        if op != "combine":
+            want = torch.cat(qs, dim=1).view(torch.uint8)
+            assert torch.equal(q_all.cpu().view(torch.uint8), want), f"B={B}: the gather {when} differs"
+        return err
+
     call()
-    err = 0.0
-    if op != "gather":
-        ref, _ = chunk_reference(outs, lses, rank, hn)
-        err = max_rel_error(y, ref)
-        assert err < 1.6e-2, f"B={B}: result differs from the reference ({err})"
-    if op != "combine":
-        want = torch.cat(qs, dim=1).view(torch.uint8)
-        assert torch.equal(q_all.cpu().view(torch.uint8), want), f"B={B}: the gather differs from the queries"
+    err = checked("of the first call")
+    y.fill_(float("nan"))  # poisoned: the check after the timed steps sees only what they wrote
+    q_all.fill_(float("nan"))
     cuda = dev.type == "cuda"
     calls = 8 if mode == "graph8" else 1
     marks = Marks(state["timer"], iters) if cuda else None
@@ -262,6 +273,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
 
     def captured(with_mark: bool):
         graph = torch.cuda.CUDAGraph()
+        step[0] = object()
         with torch.cuda.graph(graph):
             if with_mark:
                 marks.mark()
@@ -269,19 +281,23 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
                 call()
         return graph.replay
 
+    def eager() -> None:
+        step[0] = object()
+        call()
+
     if mode.startswith("graph"):
-        step = captured(in_graph)
+        timed_step = captured(in_graph)
         # The second loop replays graphs without the mark: nothing but the calls between its events.
-        plain_step = captured(False) if in_graph else step
+        plain_step = captured(False) if in_graph else timed_step
     else:
-        step = plain_step = call
+        timed_step = plain_step = eager if metadata else call
     mark = marks.mark if cuda and not in_graph else lambda: None
     t0 = time.perf_counter()
     for _ in range(min(10, iters)):
         mark()
-        step()
+        timed_step()
     warm_us = (time.perf_counter() - t0) * 1e6 / min(10, iters)  # host time per marked step
-    if plain_step is not step:
+    if plain_step is not timed_step:
         plain_step()  # a graph's first replay uploads it
     if cuda:
         torch.cuda.synchronize()
@@ -292,7 +308,7 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
     if cuda:
         # Held three times the loop's expected host time, longer where that ran dry; the second
         # loop as long as the first's last hold, in the same chunks.
-        timed = held_steps(state, marks, step, iters, 3 * iters * warm_us, mark_each=not in_graph)
+        timed = held_steps(state, marks, timed_step, iters, 3 * iters * warm_us, mark_each=not in_graph)
         held, host, chunk = timed.held, timed.host_us, timed.chunk
         times = [t / calls for t in timed.step_us]
         # nccl-tests' way: one pair of events around the loop (each chunk), none between steps.
@@ -317,11 +333,12 @@ def run_point(state, B: int, mode: str, iters: int, seed: int, op: str = "combin
     else:
         for _ in range(iters):
             t0 = time.perf_counter()
-            step()
+            timed_step()
             times.append((time.perf_counter() - t0) * 1e6)
         host = times
     dist.barrier()
     comm.check()
+    err = max(err, checked("of the last timed step"))  # (graph8: a call that read its step's verdicts)
     res = _percentiles(times)
     res["host_us"] = statistics.median(host) / calls
     res["host_loop_us"] = host_loop / calls

@@ -11,9 +11,10 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from dcp import cudart
 from dcp.checks import as_words, combine_batch, gather_batch, refuse_overlap
 from dcp.config import agree_config, resolve
-from dcp.constants import KIND_COMBINE, KIND_GATHER, TAG_ABORT, TAG_POISONED
+from dcp.constants import KIND_COMBINE, KIND_GATHER, MASK_NONE, MASK_READ, MASK_WRITE, TAG_ABORT, TAG_POISONED
 from dcp.errors import DcpError
 from dcp.launch import gather_operands, launch_operands, metadata
 from dcp.loading import KernelLoader
@@ -146,6 +147,13 @@ class DcpAllToAll:
         self._after_gather = [False] * c.channels
         # The one transport every call takes, where there is one: calls then skip the routing.
         self._only = self._transport if len(self._transports) == 1 else None
+        # Per channel, the empty-token mask of a step's metadata (``lse_reduce``'s ``step``) and what it
+        # was written for: (step, the metadata and call it describes), None until then.
+        self._masks = list(torch.ones((c.channels, c.max_tokens), dtype=torch.int8, device=c.device))
+        self._mask_for: list = [None] * c.channels
+        # Per channel, whether a captured graph writes its mask: a replay then rewrites it unseen here,
+        # so eager calls no longer read it.
+        self._captured_masks = [False] * c.channels
         self._geometry = (c.heads_per_rank, c.num_heads, c.head_dim, c.device, c.dtype)
         self._query_geometry = (c.heads_per_rank, c.num_heads, c.query_dim, c.device, c.query_dtype)
         if self.rank == 0:
@@ -174,7 +182,7 @@ class DcpAllToAll:
                    return_lse: bool = False, is_lse_base_on_e: bool = True,
                    out: Optional[torch.Tensor] = None, *, out_lse: Optional[torch.Tensor] = None,
                    seq_lens: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None,
-                   channel: int = 0, check: Optional[bool] = None):
+                   step: object = None, channel: int = 0, check: Optional[bool] = None):
         """Combine this rank's head chunk over all ranks: ``[B, H, D]`` -> ``[B, H/N, D]``.
 
         ``partial_out`` ``[B, H, D]`` in the constructor's dtype (last dimension contiguous) and
@@ -194,6 +202,12 @@ class DcpAllToAll:
         (cumulative query tokens), int32 or int64 on the device, as vLLM passes them: this rank adds
         nothing to tokens past ``query_start_loc[S]`` (graph padding) or of sequences whose local
         length is 0. Read on the device inside the launch: no synchronization, capturable.
+        ``step``: any object that stays the same for the calls of one model step (vLLM's plugin
+        passes its forward context), between which the metadata tensors keep their values. The
+        step's first call on a channel searches the metadata and keeps each token's verdict; its
+        later calls with the same tensors and B read that instead of searching (in a CUDA graph,
+        only verdicts written in the same capture; eager calls, only while no captured graph
+        writes them). None: every call searches.
 
         Collective, whatever happens: a call rejected here (bad arguments) still announces itself
         to the peers, whose call then fails naming this rank; a call with B = 0 takes part too.
@@ -202,8 +216,12 @@ class DcpAllToAll:
         try:
             try:
                 B = combine_batch(self._geometry, partial_out, partial_lse, out, out_lse)
-                meta = None if seq_lens is None and query_start_loc is None else metadata(
-                    self.device, seq_lens, query_start_loc)
+                meta = mask_for = None
+                if seq_lens is not None or query_start_loc is not None:
+                    meta = metadata(self.device, seq_lens, query_start_loc, self._masks[channel], MASK_NONE)
+                    if step is not None and B <= self.max_tokens:
+                        mode, mask_for = self._mask_mode(channel, step, meta, B)
+                        meta = meta._replace(mask_mode=mode)
                 y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim),
                                                             dtype=self.dtype, device=self.device)
                 y_lse = None  # an out_lse without return_lse is not written
@@ -220,10 +238,28 @@ class DcpAllToAll:
                 raise
             self._launches(transport, KIND_COMBINE, operands, partial_out, partial_lse, y, y_lse, B, channel,
                            is_lse_base_on_e, meta)
+            if mask_for is not None:  # launched: the mask is now written in stream order
+                self._mask_for[channel] = mask_for
         finally:
             busy.release()
         self._checked(channel, check)
         return (y, y_lse) if return_lse else y
+
+    def _mask_mode(self, channel: int, step: object, meta, B: int) -> tuple:
+        """(MASK_READ, None) where the channel's mask was written for this step, these metadata
+        tensors, this B and this graph capture (eager: none, and while no captured graph writes
+        the mask); else (MASK_WRITE, what the mask will then describe), the mask forgotten until
+        that launch is made."""
+        capture = 0
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            capture = cudart.capture_id(torch.cuda.current_stream(self.device).cuda_stream)
+        key = (B, capture, meta.seq_lens.data_ptr(), meta.num_seqs, meta.s_sl, meta.qsl.data_ptr(), meta.s_qsl)
+        held = self._mask_for[channel]
+        if held is not None and held[0] is step and held[1] == key and (capture or not self._captured_masks[channel]):
+            return MASK_READ, None
+        self._mask_for[channel] = None
+        self._captured_masks[channel] |= capture != 0
+        return MASK_WRITE, (step, key)
 
     def all_gather_heads(self, q_local: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                          channel: int = 0, check: Optional[bool] = None) -> torch.Tensor:

@@ -110,6 +110,8 @@ def compile_ptx(variant: Variant, capability: int) -> tuple:
             sig[name] = variant.pointers[name]
         elif name in ("seq_lens", "qsl"):  # vLLM's batch metadata: always int32 words
             sig[name] = "*i32"
+        elif name == "tmask":  # a step's empty-token mask: a byte per token
+            sig[name] = "*i8"
         elif name == "log2_scale":
             sig[name] = "fp32"
         else:

@@ -38,6 +38,12 @@ TAG_LOAD = -4
 # ranks, as it does, instead of as a mismatch with it.
 TAG_GAVE_UP = -16
 
+# A combine's empty-token mask (vLLM's metadata, searched once per step; ``DcpAllToAll.lse_reduce``'s
+# ``step``): not used, searched and written, or read instead of searching.
+MASK_NONE = 0
+MASK_WRITE = 1
+MASK_READ = 2
+
 CTL_STATUS = 8  # ctl[0:N] peer channel bases, ctl[8] status address, ctl[9] timeout (ns),
 CTL_TIMEOUT = 9  # ctl[10] trace address (0 unless tracing)
 CTL_TRACE = 10

@@ -1,4 +1,5 @@
-"""The few CUDA runtime calls torch does not expose: IPC handles and mapped host memory.
+"""The few CUDA runtime calls torch does not expose: IPC handles, mapped host memory and the id of
+a stream's graph capture.
 
 Bound with ctypes to the ``libcudart`` that torch itself loaded, so both share one context.
 """
@@ -93,3 +94,12 @@ def free_host(ptr: int) -> None:
 def memcpy_htod(dst: int, src: int, nbytes: int) -> None:
     _check(_cudart().cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), 1),
            "cudaMemcpy")
+
+
+def capture_id(stream: int) -> int:
+    """The unique id of the graph capture ``stream`` (a ``cudaStream_t``) takes part in; 0 if none.
+    (Passed every parameter of CUDA 13's form; CUDA 12's, one fewer, ignores the last.)"""
+    status, ident = ctypes.c_int(), ctypes.c_ulonglong()
+    _check(_cudart().cudaStreamGetCaptureInfo(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident),
+                                              None, None, None, None), "cudaStreamGetCaptureInfo")
+    return ident.value if status.value == 1 else 0  # cudaStreamCaptureStatusActive

@@ -17,7 +17,7 @@ from triton import knobs
 from triton.runtime import driver
 
 from dcp.checks import META_DTYPES, unit_last_stride
-from dcp.constants import KIND_GATHER
+from dcp.constants import KIND_GATHER, MASK_NONE
 from dcp.errors import DcpError
 from dcp.protocol import ChannelRegion
 
@@ -31,32 +31,37 @@ _INTERPRETER = threading.Lock()
 
 # The kernels' runtime arguments, in order (tensors first; then the scalars).
 STRIDES = ("s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h", "s_yl_b", "s_yl_h")
-META = ("tok0", "num_seqs", "s_sl", "s_qsl")
-FUSED_ARGS = ("po", "lse", "y", "y_lse", "ctl", "seq_lens", "qsl", "n_tokens", "call_tag", "rank", *STRIDES,
+META = ("tok0", "num_seqs", "s_sl", "s_qsl", "mask_mode")
+FUSED_ARGS = ("po", "lse", "y", "y_lse", "ctl", "seq_lens", "qsl", "tmask", "n_tokens", "call_tag", "rank", *STRIDES,
               "write_lse", "log2_scale", *META)
-PACK_ARGS = ("po", "lse", "send", "seq_lens", "qsl", "n_tokens", *STRIDES[:4], *META)
+PACK_ARGS = ("po", "lse", "send", "seq_lens", "qsl", "tmask", "n_tokens", *STRIDES[:4], *META)
 COMBINE_ARGS = ("recv", "y", "y_lse", "n_tokens", *STRIDES[4:], "write_lse", "log2_scale")
 
 
 class Metadata(NamedTuple):
     """vLLM's batch metadata as launch arguments: int32 views and their element strides;
-    ``num_seqs`` -1 where a call has none (then the pointers are never read)."""
+    ``num_seqs`` -1 where a call has none (then the pointers are never read). ``tmask``: a
+    channel's empty-token mask (int8, one byte per token of the call), ``mask_mode`` whether the
+    kernel writes it after its search (MASK_WRITE), reads it instead (MASK_READ) or neither."""
     seq_lens: torch.Tensor
     qsl: torch.Tensor
     num_seqs: int
     s_sl: int
     s_qsl: int
+    tmask: torch.Tensor
+    mask_mode: int
 
 
 def no_metadata(device: torch.device) -> Metadata:
     """The launch arguments of a call without batch metadata."""
     word = torch.zeros(1, dtype=torch.int32, device=device)
-    return Metadata(word, word, -1, 1, 1)
+    return Metadata(word, word, -1, 1, 1, word.view(torch.int8), MASK_NONE)
 
 
-def metadata(device: torch.device, seq_lens, query_start_loc) -> Metadata:
-    """vLLM's batch metadata as launch arguments (int32 views, element strides), or raise as vLLM
-    does for an inconsistent pair (and naming what else does not fit)."""
+def metadata(device: torch.device, seq_lens, query_start_loc, tmask: torch.Tensor, mask_mode: int) -> Metadata:
+    """vLLM's batch metadata as launch arguments (int32 views, element strides; ``tmask`` and
+    ``mask_mode`` as they come), or raise as vLLM does for an inconsistent pair (and naming what
+    else does not fit)."""
     if seq_lens is None or query_start_loc is None:
         raise ValueError("seq_lens and query_start_loc must be provided together")
     for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
@@ -74,7 +79,7 @@ def metadata(device: torch.device, seq_lens, query_start_loc) -> Metadata:
                 t.untyped_storage(), 2 * t.storage_offset(), t.shape, (2 * t.stride(0),))
         words.append((t, t.stride(0)))
     (sl, s_sl), (qsl, s_qsl) = words
-    return _tuple_new(Metadata, (sl, qsl, seq_lens.shape[0], s_sl, s_qsl))  # (a fifth of Metadata(...)'s host time)
+    return _tuple_new(Metadata, (sl, qsl, seq_lens.shape[0], s_sl, s_qsl, tmask, mask_mode))  # (a fifth of Metadata(...)'s host time)
 
 
 def launch_operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: Optional[torch.Tensor]) -> tuple:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dcp import plan as auto_plan
 from dcp.config import Config
-from dcp.constants import KIND_COMBINE, KIND_GATHER, TAG_ABORT
+from dcp.constants import KIND_COMBINE, KIND_GATHER, MASK_NONE, TAG_ABORT
 from dcp.launch import gather_operands, launch_operands, metadata
 from dcp.protocol import call_tag
 from dcp.rendezvous import agree
@@ -36,7 +36,8 @@ def measure_plan(group: dist.ProcessGroup, config: Config, transports: dict, lef
         calls[auto_plan.COMBINE_META] = calls[KIND_COMBINE]
         # A decode batch's metadata (a token per sequence, none empty) for the layers timed with it.
         ones, starts = torch.ones(mt, dtype=torch.int32, device=dev), torch.arange(mt + 1, dtype=torch.int32, device=dev)
-        metas = {b: metadata(dev, ones[:b], starts[:b + 1]) for b in auto_plan.ladder(mt)}
+        unused = torch.empty(1, dtype=torch.int8, device=dev)
+        metas = {b: metadata(dev, ones[:b], starts[:b + 1], unused, MASK_NONE) for b in auto_plan.ladder(mt)}
         timer = auto_plan.GraphTimer(dev) if cuda else auto_plan.HostTimer()
     except Exception as exc:  # reported to every rank by agree()
         error = f"{type(exc).__name__}: {exc}"

@@ -138,11 +138,11 @@ class TritonTransport:
         """``Transport.launch``; the tag picks the collective (announcements, which move no data,
         take the combine's). ``via``: (launcher, grid) of one tiling, for loading it."""
         fused, grid = via or self.by_size[tag >> TAG_KIND_SHIFT if tag >= 0 else KIND_COMBINE][max(n_tokens, 1) - 1]
-        sl, qsl, num_seqs, s_sl, s_qsl = meta or self.no_meta
+        sl, qsl, num_seqs, s_sl, s_qsl, tmask, mask_mode = meta or self.no_meta
         # dcp.launch.FUSED_ARGS
-        fused(operands[0], grid, (po, lse, y, self.scratch if y_lse is None else y_lse, self.ctl[channel], sl, qsl),
-              n_tokens, tag, self.rank, *operands[1], int(y_lse is not None), LOG2E if base_e else 1.0, tok0,
-              num_seqs, s_sl, s_qsl)
+        fused(operands[0], grid, (po, lse, y, self.scratch if y_lse is None else y_lse, self.ctl[channel], sl, qsl,
+                                  tmask), n_tokens, tag, self.rank, *operands[1], int(y_lse is not None),
+              LOG2E if base_e else 1.0, tok0, num_seqs, s_sl, s_qsl, mask_mode)
 
     def announce(self, channel: int, tag: int) -> None:
         self.launch(**self.idle, tag=tag, channel=channel)
@@ -242,10 +242,11 @@ class NcclTransport:
             return
         grid, used = self.by_size[n_tokens]
         send, recv = self.send[channel][:used], self.recv[channel][:used]
-        sl, qsl, num_seqs, s_sl, s_qsl = meta or self.no_meta
+        sl, qsl, num_seqs, s_sl, s_qsl, tmask, mask_mode = meta or self.no_meta
         variant, strides = operands
         # dcp.launch.PACK_ARGS, COMBINE_ARGS
-        self.pack(variant, grid, (po, lse, send, sl, qsl), n_tokens, *strides[:4], tok0, num_seqs, s_sl, s_qsl)
+        self.pack(variant, grid, (po, lse, send, sl, qsl, tmask), n_tokens, *strides[:4], tok0, num_seqs, s_sl, s_qsl,
+                  mask_mode)
         if n_tokens:
             dist.all_to_all_single(recv, send, group=self.group)
         self.combine(variant, grid, (recv, y, self.scratch if y_lse is None else y_lse), n_tokens, *strides[4:],

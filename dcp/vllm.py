@@ -9,6 +9,7 @@ managers, before graph capture). ``close_all`` closes them.
 
 import inspect
 import logging
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -22,6 +23,18 @@ from dcp.serving import capturing, close_all, communicator, group_parts  # noqa:
 
 log = logging.getLogger("dcp")
 warmup = communicator  # the name earlier releases documented
+
+
+def forward_step() -> object:
+    """The model step a call runs in: vLLM's current forward context (None outside one, or where
+    vLLM has none). A step's layers pass the same batch metadata, unchanged, and each step sets a
+    context of its own (a graph capture, a drafter's step, a micro-batch too), so the communicator
+    searches the metadata once per step (``DcpAllToAll.lse_reduce``'s ``step``)."""
+    module = sys.modules.get("vllm.forward_context")
+    available = getattr(module, "is_forward_context_available", None)
+    if available is None or not available():
+        return None
+    return module.get_forward_context()
 
 
 def _cached(group, num_heads, head_dim, dtype, device, query: Optional[tuple] = None) -> DcpAllToAll:
@@ -52,9 +65,10 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
     rank's ``[B, H/N, D]`` out (and its fp32 ``[B, H/N]`` LSE with ``return_lse``).
 
     ``seq_lens`` / ``query_start_loc`` mask rows as vLLM does (padding, empty local shards), on
-    the device. A group of one returns the inputs, as vLLM does. ``head_major``: the output's
-    storage is ``[H/N, B, D]`` (returned as its ``[B, H/N, D]`` view). ``ctx`` and unknown keywords
-    (other lineages' options) are ignored, the latter logged once.
+    the device, searched once per model step (``forward_step``). A group of one returns the
+    inputs, as vLLM does. ``head_major``: the output's storage is ``[H/N, B, D]`` (returned as its
+    ``[B, H/N, D]`` view). ``ctx`` and unknown keywords (other lineages' options) are ignored, the
+    latter logged once.
     """
     if isinstance(seq_lens, bool) and (query_start_loc is None or type(query_start_loc) is int):
         # The older lineage's 7th and 8th positions (use_b12x, b12x_max_batch_size), never metadata.
@@ -79,7 +93,8 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
     if head_major:
         out = torch.empty((H // world, B, D), dtype=cp_attn_out.dtype, device=cp_attn_out.device).transpose(0, 1)
     return comm.lse_reduce(cp_attn_out, cp_attn_lse, return_lse=return_lse, is_lse_base_on_e=is_lse_base_on_e,
-                           out=out, seq_lens=seq_lens, query_start_loc=query_start_loc)
+                           out=out, seq_lens=seq_lens, query_start_loc=query_start_loc,
+                           step=None if seq_lens is None else forward_step())
 
 
 def head_padded(q: torch.Tensor, num_heads: int, padded_num_heads: Optional[int]) -> Optional[torch.Tensor]:

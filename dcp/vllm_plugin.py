@@ -238,11 +238,13 @@ def _unlike(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, fallba
 
 def _combine(comm: DcpAllToAll, base_e: bool, fallback, partial_output: torch.Tensor, partial_lse: torch.Tensor,
              *, seq_lens: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None):
-    """The manager's ``combine(out, lse, *, seq_lens, query_start_loc)``."""
+    """The manager's ``combine(out, lse, *, seq_lens, query_start_loc)``; the metadata searched
+    once per model step (``dcp.vllm.forward_step``)."""
     if _unlike("combine", partial_output, comm.dtype, (comm.num_heads, comm.head_dim), fallback):
         return fallback(partial_output, partial_lse, seq_lens=seq_lens, query_start_loc=query_start_loc)
     return comm.lse_reduce(partial_output, partial_lse, is_lse_base_on_e=base_e, seq_lens=seq_lens,
-                           query_start_loc=query_start_loc)
+                           query_start_loc=query_start_loc,
+                           step=None if seq_lens is None else dropin.forward_step())
 
 
 def _gather(comm: DcpAllToAll, padded_num_heads: Optional[int], fallback, query: torch.Tensor) -> torch.Tensor:

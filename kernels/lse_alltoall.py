@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dcp.constants import (CTL_STATUS, CTL_TIMEOUT, CTL_TRACE, EPOCH_SHIFT, EPOCH_STRIDE, STATUS_MISMATCH,
+from dcp.constants import (CTL_STATUS, CTL_TIMEOUT, CTL_TRACE, EPOCH_SHIFT, EPOCH_STRIDE, MASK_READ, MASK_WRITE,
+                           STATUS_MISMATCH,
                            STATUS_TIMEOUT, TAG_GAVE_UP, TAG_LOAD, TAG_NONE, TAG_POISONED, TRACE_CALLS, TRACE_PROGRAMS,
                            TRACE_WORDS)
 
@@ -57,6 +58,8 @@ _TAG_POISONED = tl.constexpr(TAG_POISONED)
 _TAG_NONE = tl.constexpr(TAG_NONE)
 _TAG_LOAD = tl.constexpr(TAG_LOAD)
 _TAG_GAVE_UP = tl.constexpr(TAG_GAVE_UP)
+_MASK_WRITE = tl.constexpr(MASK_WRITE)
+_MASK_READ = tl.constexpr(MASK_READ)
 
 
 # --- shared by both paths ------------------------------------------------------------------------
@@ -126,28 +129,33 @@ def _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, top, h1,
     return (b >= end) | (local == 0)
 
 
-def _load_tile(po, lse, t, n_rows, peer, own, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N: tl.constexpr,
-               HN: tl.constexpr, BLOCK_R: tl.constexpr):
+def _load_tile(po, lse, t, n_rows, peer, own, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, tmask, tok0,
+               mask_mode, N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr):
     """Tile t of the input for every peer: values [NP, BLOCK_R, DP] and fp32 LSEs [NP, BLOCK_R]
     (peer d's head chunk; masked off past the last row and for padding peers, and the values of
-    peer ``own``: the fused kernel's combine reads this rank's own chunk from the input)."""
+    peer ``own``: the fused kernel's combine reads this rank's own chunk from the input); and
+    where ``mask_mode`` is _MASK_READ, its rows' tokens' bytes of the empty-token mask ``tmask``
+    (nonzero: empty), loaded with the values, one tile ahead of their use."""
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
     head = peer[:, None] * HN + hh[None, :]
     vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :],
                    mask=(m2 & (peer != own)[:, None])[:, :, None] & cmask[None, None, :])
     lv = tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
-    return vals, lv
+    gone = tl.load(tmask + (tok + tok0), mask=rmask & (mask_mode == _MASK_READ), other=0)
+    return vals, lv, gone
 
 
-def _store_tile(dst16, t, vals, lv, n_rows, peer, own, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, top,
-                h1, h2, h3, h4, h5, h6, h7, end,
+def _store_tile(dst16, t, vals, lv, gone, n_rows, peer, own, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl,
+                tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end,
                 N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
     """Store a loaded tile as packed rows (the values, then the fp32 LSE at 16-bit word LSE_OFF) at
     its rows of each peer's destination ``dst16[peer]`` (peer ``own``: the LSEs only). With batch
     metadata (``num_seqs`` >= 0; ``tok0`` the launch's first token in the call) the LSEs of empty
     rows are -inf: this rank adds nothing to them. The values go first, so that they are on their
-    way while the search for the empty rows waits for its loads."""
+    way while the search for the empty rows waits for its loads. ``mask_mode``: _MASK_READ takes
+    the empty tokens from ``gone`` (the mask's bytes ``_load_tile`` read) instead of searching;
+    _MASK_WRITE also stores each token's emptiness in ``tmask`` (by its head-0 row) for later calls."""
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
     drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
@@ -158,8 +166,13 @@ def _store_tile(dst16, t, vals, lv, n_rows, peer, own, c_off, cmask, tok0, seq_l
     else:
         tl.store(drow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True), mask=vmask)
     if num_seqs >= 0:
-        empty = _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, top, h1, h2, h3, h4, h5, h6, h7,
-                            end, BLOCK_R)
+        if mask_mode == _MASK_READ:
+            empty = gone != 0
+        else:
+            empty = _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, top, h1, h2, h3, h4, h5, h6,
+                                h7, end, BLOCK_R)
+            if mask_mode == _MASK_WRITE:
+                tl.store(tmask + (tok + tok0), empty.to(tl.int8), mask=rmask & (hh == 0))
         lv = tl.where(empty[None, :], float("-inf"), lv)
     tl.store((drow + LSE_OFF).to(tl.pointer_type(tl.float32), bitcast=True), lv, mask=m2)
 
@@ -326,10 +339,10 @@ def _scale_strides(a, b, c, d, ALIGNED: tl.constexpr):
 # --- the fused kernel ----------------------------------------------------------------------------
 
 def lse_alltoall_kernel(
-    po, lse, y, y_lse, ctl, seq_lens, qsl,
+    po, lse, y, y_lse, ctl, seq_lens, qsl, tmask,
     n_tokens, call_tag, rank,
     s_po_b, s_po_h, s_lse_b, s_lse_h, s_y_b, s_y_h, s_yl_b, s_yl_h,
-    write_lse, log2_scale, tok0, num_seqs, s_sl, s_qsl,
+    write_lse, log2_scale, tok0, num_seqs, s_sl, s_qsl, mask_mode,
     N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, CW: tl.constexpr, CHUNKS: tl.constexpr,
     ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr, FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, SLOT: tl.constexpr, GATHER: tl.constexpr,
@@ -402,15 +415,17 @@ def lse_alltoall_kernel(
                 vals = nvals
                 t += G
         else:
-            vals, lv = _load_tile(po, lse, t, n_push, peer, rank, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, N, HN,
-                                  BLOCK_R)
-            top, h1, h2, h3, h4, h5, h6, h7, end = _search_start(qsl, num_seqs, s_qsl)
+            vals, lv, gone = _load_tile(po, lse, t, n_push, peer, rank, c_off, cmask, s_po_b, s_po_h, s_lse_b,
+                                        s_lse_h, tmask, tok0, mask_mode, N, HN, BLOCK_R)
+            top, h1, h2, h3, h4, h5, h6, h7, end = _search_start(qsl, tl.where(mask_mode == _MASK_READ, -1, num_seqs),
+                                                                 s_qsl)
             while t * BLOCK_R < n_push:
-                nvals, nlv = _load_tile(po, lse, t + G, n_push, peer, rank, c_off, cmask, s_po_b, s_po_h, s_lse_b,
-                                        s_lse_h, N, HN, BLOCK_R)
-                _store_tile(dst16, t, vals, lv, n_push, peer, rank, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl,
-                            s_qsl, top, h1, h2, h3, h4, h5, h6, h7, end, N, HN, BLOCK_R, ROW, LSE_OFF)
-                vals, lv = nvals, nlv
+                nvals, nlv, ngone = _load_tile(po, lse, t + G, n_push, peer, rank, c_off, cmask, s_po_b, s_po_h,
+                                               s_lse_b, s_lse_h, tmask, tok0, mask_mode, N, HN, BLOCK_R)
+                _store_tile(dst16, t, vals, lv, gone, n_push, peer, rank, c_off, cmask, tok0, seq_lens, qsl, num_seqs,
+                            s_sl, s_qsl, tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end, N, HN, BLOCK_R, ROW,
+                            LSE_OFF)
+                vals, lv, gone = nvals, nlv, ngone
                 t += G
         tl.debug_barrier()
         _fence(e, GPU_SCOPE)
@@ -575,8 +590,8 @@ def _record_failure(status, flags, ctl, slot, t, e, tag, code, absent, N: tl.con
 
 # --- the NCCL reference path ---------------------------------------------------------------------
 
-def pack_kernel(po, lse, send, seq_lens, qsl, n_tokens, s_po_b, s_po_h, s_lse_b, s_lse_h, tok0, num_seqs, s_sl,
-                s_qsl, N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+def pack_kernel(po, lse, send, seq_lens, qsl, tmask, n_tokens, s_po_b, s_po_h, s_lse_b, s_lse_h, tok0, num_seqs, s_sl,
+                s_qsl, mask_mode, N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                 ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr):
     """Pack the chunk of every destination d into send[d, :B * HN] (rows of ROW int16); the batch
     metadata as in the fused kernel."""
@@ -585,11 +600,12 @@ def pack_kernel(po, lse, send, seq_lens, qsl, n_tokens, s_po_b, s_po_h, s_lse_b,
     c_off = tl.arange(0, DP)
     peer = tl.arange(0, NP)
     dst16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16) + (peer * n_rows).to(tl.int64) * ROW
-    vals, lv = _load_tile(po, lse, tl.program_id(0), n_rows, peer, -1, c_off, c_off < D, s_po_b, s_po_h, s_lse_b,
-                          s_lse_h, N, HN, BLOCK_R)
-    top, h1, h2, h3, h4, h5, h6, h7, end = _search_start(qsl, num_seqs, s_qsl)
-    _store_tile(dst16, tl.program_id(0), vals, lv, n_rows, peer, -1, c_off, c_off < D, tok0, seq_lens, qsl, num_seqs,
-                s_sl, s_qsl, top, h1, h2, h3, h4, h5, h6, h7, end, N, HN, BLOCK_R, ROW, LSE_OFF)
+    vals, lv, gone = _load_tile(po, lse, tl.program_id(0), n_rows, peer, -1, c_off, c_off < D, s_po_b, s_po_h, s_lse_b,
+                                s_lse_h, tmask, tok0, mask_mode, N, HN, BLOCK_R)
+    top, h1, h2, h3, h4, h5, h6, h7, end = _search_start(qsl, tl.where(mask_mode == _MASK_READ, -1, num_seqs), s_qsl)
+    _store_tile(dst16, tl.program_id(0), vals, lv, gone, n_rows, peer, -1, c_off, c_off < D, tok0, seq_lens, qsl,
+                num_seqs, s_sl, s_qsl, tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end, N, HN, BLOCK_R, ROW,
+                LSE_OFF)
 
 
 def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write_lse, log2_scale,
@@ -686,7 +702,7 @@ _SHARED_HELPERS = (_tile_rows, _search_start, _empty_rows, _load_tile, _store_ti
                    _store_chunks, _copy_chunks, _source, _source_flags, _load_lse, _round_to, _combine_rows,
                    _finish_combine, _stamp, _scale_strides, _gave_up, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
-             "s_yl_b", "s_yl_h", "write_lse", "tok0", "num_seqs", "s_sl", "s_qsl"]
+             "s_yl_b", "s_yl_h", "write_lse", "tok0", "num_seqs", "s_sl", "s_qsl", "mask_mode"]
 _built: dict = {}
 
 
@@ -720,9 +736,9 @@ def build_kernels(interpret: bool) -> types.SimpleNamespace:
         scope[fn.__name__] = helper if interpret else triton.jit(helper)
     kernels = types.SimpleNamespace(
         fused=wrap(rebind(lse_alltoall_kernel, "lse_alltoall_kernel"), do_not_specialize=_INT_ARGS,
-                   do_not_specialize_on_alignment=["lse", "y_lse", "ctl", "seq_lens", "qsl"]),
+                   do_not_specialize_on_alignment=["lse", "y_lse", "ctl", "seq_lens", "qsl", "tmask"]),
         pack=wrap(rebind(pack_kernel, "pack_kernel"), do_not_specialize=_INT_ARGS,
-                  do_not_specialize_on_alignment=["lse", "seq_lens", "qsl"]),
+                  do_not_specialize_on_alignment=["lse", "seq_lens", "qsl", "tmask"]),
         combine=wrap(rebind(combine_kernel, "combine_kernel"), do_not_specialize=_INT_ARGS,
                      do_not_specialize_on_alignment=["y_lse"]),
         clock=wrap(rebind(clock_kernel, "clock_kernel"), do_not_specialize=["n"]),

@@ -2,6 +2,7 @@
 
 import glob
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -104,14 +105,33 @@ def lse_case(state, key: str, seed: int, B: int, lse_dtype: str = "float32", bas
 
 
 def metadata_case(state, key: str, seed: int, B: int, query_start_loc: list, layout: str = "int32",
-                  use_out: bool = False) -> float:
+                  use_out: bool = False, steps: int = 0) -> float:
     """One call with vLLM's batch metadata (this rank's seq_lens, some 0) on fresh inputs, against the
     float64 reference of the masked LSEs. ``layout``: int32, int64, or int32 / int64 with a stride of
-    3 / 2 (views into larger tensors)."""
+    3 / 2 (views into larger tensors). ``steps``: that many steps of three calls each (``step=``:
+    the first searches, the others read its verdicts), each step's metadata drawn anew into the same
+    tensors, every call on fresh inputs."""
+    if not steps:
+        return _metadata_call(state, key, seed, seed + 1, B, query_start_loc, layout, use_out)
+    held, err = {}, 0.0
+    for s in range(steps):
+        step = object()
+        for c in range(3):
+            err = max(err, _metadata_call(state, key, seed + 10 * s + c, seed + 10 * s, B, query_start_loc, layout,
+                                          use_out, step, held, poke=s == steps - 1 and c == 2))
+    return err
+
+
+def _metadata_call(state, key: str, seed: int, meta_seed: int, B: int, query_start_loc: list, layout: str,
+                   use_out: bool, step: object = None, held: Optional[dict] = None, poke: bool = False) -> float:
+    """One call of ``metadata_case``: inputs drawn with ``seed``, seq_lens with ``meta_seed``; with
+    ``step``, the metadata tensors ``held`` keeps (refilled in place when the step changes). Where
+    the call is the step's first, the channel's mask must then hold each token's verdict; ``poke``:
+    the mask is cleared first (no token empty), and a call that reads it must follow it."""
     comm: DcpAllToAll = state[key]
     rank, n, dev, hn = comm.rank, comm.world, comm.device, comm.heads_per_rank
     outs, lses = make_inputs(seed, n, B, comm.num_heads, comm.head_dim, comm.dtype, special=True)
-    g = torch.Generator().manual_seed(seed + 1)
+    g = torch.Generator().manual_seed(meta_seed)
     seqs = len(query_start_loc) - 1
     lens = [torch.randint(0, 3, (seqs,), generator=g, dtype=torch.int32) for _ in range(n)]
     qsl = torch.tensor(query_start_loc, dtype=torch.int32)
@@ -128,9 +148,26 @@ def metadata_case(state, key: str, seed: int, B: int, query_start_loc: list, lay
         return t.to(dev)
 
     sl, q = as_layout(lens[rank]), as_layout(qsl)
+    if step is not None:  # a step's calls keep their tensors; a new step refills them in place
+        if held.get("step") is not step:
+            if held:
+                held["sl"].copy_(sl)
+                held["q"].copy_(q)
+            else:
+                held.update(sl=sl, q=q)
+            held["step"] = step
+        sl, q = held["sl"], held["q"]
     out = torch.full((B, hn, comm.head_dim), float("nan"), dtype=comm.dtype, device=dev) if use_out else None
+    first = step is not None and (comm._mask_for[0] is None or comm._mask_for[0][0] is not step)
+    if poke:
+        assert not first and B <= comm.max_tokens
+        comm._masks[0][:B] = 0
+        masked = [lse.double() for lse in lses]
     y, yl = comm.lse_reduce(outs[rank].to(dev), lses[rank].to(dev), return_lse=True, out=out, seq_lens=sl,
-                            query_start_loc=q, check=True)
+                            query_start_loc=q, step=step, check=True)
+    if first and B <= comm.max_tokens:
+        want = mask_by_metadata(torch.zeros(B, 1), lens[rank], qsl)[:, 0] == float("-inf")
+        assert torch.equal(comm._masks[0][:B].cpu() != 0, want), "the step's mask differs from the metadata"
     ref, ref_lse = chunk_reference(outs, masked, rank, hn)
     assert torch.equal(torch.isneginf(yl.cpu()), torch.isneginf(ref_lse)), "-inf LSE positions differ"
     err = max_rel_error(y, ref) if B else 0.0
@@ -324,6 +361,74 @@ def count_launches(state, key: str, B: int) -> list:
 def _fill(dst_out, dst_lse, outs, lses, rank):
     dst_out.copy_(outs[rank])
     dst_lse.copy_(lses[rank])
+
+
+def step_graph_case(state, key: str, seed: int, replays: int = 6) -> float:
+    """``step=`` in CUDA graphs: a graph of three combines of one step, captured after eager calls of
+    that step on the same metadata tensors, must search in its first call (a verdict from outside
+    the capture would be stale at replay), each replay after the metadata was refilled in place;
+    and an eager step's verdicts, written before a replay of that graph (which rewrites the mask),
+    must not be read after it. Every call on fresh inputs against the float64 reference."""
+    comm: DcpAllToAll = state[key]
+    dev, H, D, hn, n, rank = comm.device, comm.num_heads, comm.head_dim, comm.heads_per_rank, comm.world, comm.rank
+    B, bounds = 6, [0, 1, 3, 4, 5]
+    qsl = torch.tensor(bounds, dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    # (each replay's seq_lens are the last ones flipped, 0 <-> 1, and the eager step's those of the
+    # first replay flipped: a verdict read where it should have been searched is wrong somewhere)
+    lens_g = [torch.randint(0, 2, (len(bounds) - 1,), generator=g, dtype=torch.int32) for _ in range(n)]
+    lens_e = [lens.clone() for lens in lens_g]
+    sl_g, q_g = lens_g[rank].to(dev), qsl.to(dev)
+    sl_e, q_e = lens_e[rank].to(dev), qsl.clone().to(dev)
+    po = torch.empty((3, B, H, D), dtype=comm.dtype, device=dev)
+    pl = torch.empty((3, B, H), dtype=torch.float32, device=dev)
+    ys = torch.empty((3, B, hn, D), dtype=comm.dtype, device=dev)
+    max_err = 0.0
+
+    def check(y, outs, lses, lens) -> None:
+        nonlocal max_err
+        ref, _ = chunk_reference(outs, [mask_by_metadata(l, s, qsl) for l, s in zip(lses, lens)], rank, hn)
+        err = max_rel_error(y, ref)
+        assert err <= TOL[comm.dtype], f"error {err}"
+        max_err = max(max_err, err)
+
+    def fresh(k: int, s: int):
+        outs, lses = make_inputs(seed + 100 * s + k, n, B, H, D, comm.dtype)
+        _fill(po[k], pl[k], outs, lses, rank)
+        return outs, lses
+
+    step = object()
+    for k in range(2):  # the step's eager calls: the second reads the first's verdicts
+        inputs = fresh(k, 0)
+        comm.lse_reduce(po[k], pl[k], out=ys[k], seq_lens=sl_g, query_start_loc=q_g, step=step)
+        check(ys[k], *inputs, lens_g)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        for k in range(3):
+            comm.lse_reduce(po[k], pl[k], out=ys[k], seq_lens=sl_g, query_start_loc=q_g, step=step)
+    torch.cuda.current_stream().wait_stream(stream)
+    eager_step = object()
+    for s in range(1, replays + 1):
+        lens_g = [1 - lens for lens in lens_g]
+        sl_g.copy_(lens_g[rank])
+        inputs = [fresh(k, s) for k in range(3)]
+        ys.fill_(float("nan"))
+        if s == 1:  # an eager step on other tensors, before the replay rewrites the mask
+            eager_in = make_inputs(seed + 7, n, B, H, D, comm.dtype)
+            y = comm.lse_reduce(eager_in[0][rank].to(dev), eager_in[1][rank].to(dev), seq_lens=sl_e,
+                                query_start_loc=q_e, step=eager_step)
+            check(y, *eager_in, lens_e)
+        graph.replay()
+        for k in range(3):
+            check(ys[k], *inputs[k], lens_g)
+        if s == 1:  # the same eager step again, after the replay: it must not read the mask
+            y = comm.lse_reduce(eager_in[0][rank].to(dev), eager_in[1][rank].to(dev), seq_lens=sl_e,
+                                query_start_loc=q_e, step=eager_step)
+            check(y, *eager_in, lens_e)
+    torch.cuda.synchronize()
+    comm.check()
+    return max_err
 
 
 def graph_case(state, key: str, seed: int, sizes: list, calls_per_graph: int, replays: int,

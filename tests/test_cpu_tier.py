@@ -126,7 +126,10 @@ def test_batch_metadata_masks_rows_as_vllm_does(worlds, backend):
              dict(B=11, query_start_loc=[0, 1, 2, 2, 3, 5, 6, 7, 8, 10]),  # 9 sequences, max_tokens 4
              dict(B=9, query_start_loc=list(range(9))),  # 8 sequences: the search's first step is its last
              dict(B=66, query_start_loc=list(range(64)) + [65]),  # 64: its second step, seq_lens loaded with it
-             dict(B=140, query_start_loc=list(range(121)) + [122 + 2 * i for i in range(8)] + [137])]
+             dict(B=140, query_start_loc=list(range(121)) + [122 + 2 * i for i in range(8)] + [137]),
+             # a step's calls (step=): the first searches, the others read its verdicts
+             dict(B=4, query_start_loc=[0, 2, 3], steps=2), dict(B=3, query_start_loc=[0, 1, 2, 3], layout="int64",
+                                                               steps=2)]
     for i, case in enumerate(cases):
         w.run(rc.metadata_case, "meta", seed + i, **case)
     w.run(rc.close_comm, "meta")
