@@ -16,7 +16,7 @@ from dcp.checks import as_words, combine_batch, gather_batch, refuse_overlap
 from dcp.config import agree_config, resolve
 from dcp.constants import KIND_COMBINE, KIND_GATHER, MASK_NONE, MASK_READ, MASK_WRITE, TAG_ABORT, TAG_POISONED
 from dcp.errors import DcpError
-from dcp.launch import gather_operands, launch_operands, metadata
+from dcp.launch import gather_operands, launch_operands, metadata, with_mask_mode
 from dcp.loading import KernelLoader
 from dcp.measure import measure_plan
 from dcp.protocol import POISONED_NOTE, ChannelRegion, call_tag, channel_layouts
@@ -220,8 +220,8 @@ class DcpAllToAll:
                 if seq_lens is not None or query_start_loc is not None:
                     meta = metadata(self.device, seq_lens, query_start_loc, self._masks[channel], MASK_NONE)
                     if step is not None and B <= self.max_tokens:
-                        mode, mask_for = self._mask_mode(channel, step, meta, B)
-                        meta = meta._replace(mask_mode=mode)
+                        mode, mask_for = self._mask_mode(channel, step, meta, B, transport)
+                        meta = with_mask_mode(meta, mode)
                 y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim),
                                                             dtype=self.dtype, device=self.device)
                 y_lse = None  # an out_lse without return_lse is not written
@@ -245,15 +245,18 @@ class DcpAllToAll:
         self._checked(channel, check)
         return (y, y_lse) if return_lse else y
 
-    def _mask_mode(self, channel: int, step: object, meta, B: int) -> tuple:
+    def _mask_mode(self, channel: int, step: object, meta, B: int, transport) -> tuple:
         """(MASK_READ, None) where the channel's mask was written for this step, these metadata
-        tensors, this B and this graph capture (eager: none, and while no captured graph writes
-        the mask); else (MASK_WRITE, what the mask will then describe), the mask forgotten until
-        that launch is made."""
+        tensors, this B, by this transport (a poisoned one writes nothing, and its later calls
+        fail) and in this graph capture (eager: none, and while no captured graph writes the
+        mask); else (MASK_WRITE, what the mask will then describe), the mask forgotten until that
+        launch is made."""
         capture = 0
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.device.type == "cuda" and (torch.cuda.current_device() != self.device.index
+                                           or torch.cuda.is_current_stream_capturing()):
             capture = cudart.capture_id(torch.cuda.current_stream(self.device).cuda_stream)
-        key = (B, capture, meta.seq_lens.data_ptr(), meta.num_seqs, meta.s_sl, meta.qsl.data_ptr(), meta.s_qsl)
+        key = (transport, B, capture, meta.seq_lens.data_ptr(), meta.num_seqs, meta.s_sl, meta.qsl.data_ptr(),
+               meta.s_qsl)
         held = self._mask_for[channel]
         if held is not None and held[0] is step and held[1] == key and (capture or not self._captured_masks[channel]):
             return MASK_READ, None
@@ -471,6 +474,7 @@ class DcpAllToAll:
         except Exception as exc:
             log.warning("DcpAllToAll.close: barrier with peers failed (%s); releasing local buffers", exc)
         finally:
+            self._mask_for = []  # (a step's objects are not kept alive past the communicator)
             errors = []
             for transport in self._transports.values():
                 try:

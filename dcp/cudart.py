@@ -98,8 +98,9 @@ def memcpy_htod(dst: int, src: int, nbytes: int) -> None:
 
 def capture_id(stream: int) -> int:
     """The unique id of the graph capture ``stream`` (a ``cudaStream_t``) takes part in; 0 if none.
-    (Passed every parameter of CUDA 13's form; CUDA 12's, one fewer, ignores the last.)"""
+    (CUDA 13's form takes seven parameters, passed here as NULL past the id; every older form
+    shares the first three and ignores what follows.)"""
     status, ident = ctypes.c_int(), ctypes.c_ulonglong()
     _check(_cudart().cudaStreamGetCaptureInfo(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident),
                                               None, None, None, None), "cudaStreamGetCaptureInfo")
-    return ident.value if status.value == 1 else 0  # cudaStreamCaptureStatusActive
+    return ident.value if status.value != 0 else 0  # (0: cudaStreamCaptureStatusNone)

@@ -82,6 +82,11 @@ def metadata(device: torch.device, seq_lens, query_start_loc, tmask: torch.Tenso
     return _tuple_new(Metadata, (sl, qsl, seq_lens.shape[0], s_sl, s_qsl, tmask, mask_mode))  # (a fifth of Metadata(...)'s host time)
 
 
+def with_mask_mode(meta: Metadata, mask_mode: int) -> Metadata:
+    """``meta`` with another ``mask_mode`` (a third of ``_replace``'s host time)."""
+    return _tuple_new(Metadata, (*meta[:6], mask_mode))
+
+
 def launch_operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: Optional[torch.Tensor]) -> tuple:
     """A combine's operands ``(variant, strides)``: the variant and the eight stride arguments in
     ``STRIDES`` order, each tensor's strides read once.

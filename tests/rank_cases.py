@@ -113,12 +113,12 @@ def metadata_case(state, key: str, seed: int, B: int, query_start_loc: list, lay
     tensors, every call on fresh inputs."""
     if not steps:
         return _metadata_call(state, key, seed, seed + 1, B, query_start_loc, layout, use_out)
-    held, err = {}, 0.0
+    held, err, max_tokens = {}, 0.0, state[key].max_tokens
     for s in range(steps):
         step = object()
         for c in range(3):
             err = max(err, _metadata_call(state, key, seed + 10 * s + c, seed + 10 * s, B, query_start_loc, layout,
-                                          use_out, step, held, poke=s == steps - 1 and c == 2))
+                                          use_out, step, held, poke=s == steps - 1 and c == 2 and B <= max_tokens))
     return err
 
 
@@ -127,7 +127,8 @@ def _metadata_call(state, key: str, seed: int, meta_seed: int, B: int, query_sta
     """One call of ``metadata_case``: inputs drawn with ``seed``, seq_lens with ``meta_seed``; with
     ``step``, the metadata tensors ``held`` keeps (refilled in place when the step changes). Where
     the call is the step's first, the channel's mask must then hold each token's verdict; ``poke``:
-    the mask is cleared first (no token empty), and a call that reads it must follow it."""
+    the mask is cleared first (no token empty), and a call that reads it must follow it (calls
+    above max_tokens search: they neither write nor read the mask)."""
     comm: DcpAllToAll = state[key]
     rank, n, dev, hn = comm.rank, comm.world, comm.device, comm.heads_per_rank
     outs, lses = make_inputs(seed, n, B, comm.num_heads, comm.head_dim, comm.dtype, special=True)
@@ -160,7 +161,6 @@ def _metadata_call(state, key: str, seed: int, meta_seed: int, B: int, query_sta
     out = torch.full((B, hn, comm.head_dim), float("nan"), dtype=comm.dtype, device=dev) if use_out else None
     first = step is not None and (comm._mask_for[0] is None or comm._mask_for[0][0] is not step)
     if poke:
-        assert not first and B <= comm.max_tokens
         comm._masks[0][:B] = 0
         masked = [lse.double() for lse in lses]
     y, yl = comm.lse_reduce(outs[rank].to(dev), lses[rank].to(dev), return_lse=True, out=out, seq_lens=sl,

@@ -129,7 +129,8 @@ def test_batch_metadata_masks_rows_as_vllm_does(worlds, backend):
              dict(B=140, query_start_loc=list(range(121)) + [122 + 2 * i for i in range(8)] + [137]),
              # a step's calls (step=): the first searches, the others read its verdicts
              dict(B=4, query_start_loc=[0, 2, 3], steps=2), dict(B=3, query_start_loc=[0, 1, 2, 3], layout="int64",
-                                                               steps=2)]
+                                                               steps=2),
+             dict(B=11, query_start_loc=[0, 3, 4, 7, 9], steps=2)]  # above max_tokens: searched every call
     for i, case in enumerate(cases):
         w.run(rc.metadata_case, "meta", seed + i, **case)
     w.run(rc.close_comm, "meta")

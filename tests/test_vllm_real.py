@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.
 def test_plugin_in_a_real_vllm(worlds, n):
     res = worlds(n).run(vc.real_vllm_layer, fresh_seed())
     for r in res:
-        assert r["ours"] and r["exact"] and r["storage_ok"] and r["stepped"], r
+        assert r["ours"] and r["exact"] and r["storage_ok"], r
         assert r["err"] <= rc.TOL[torch.bfloat16], r
     assert any("MLADCPManager patched" in line for line in res[0]["log"]), res[0]["log"]
     assert not any("vLLM's own serves" in line for r in res for line in r["log"]), res  # none went to vLLM's

@@ -360,7 +360,6 @@ def real_vllm_layer(state, seed: int) -> dict:
     import vllm.plugins
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
-    from vllm.forward_context import set_forward_context
     from vllm.v1.attention.ops import dcp as vdcp
 
     assert "standin_vllm" not in str(Path(vllm.__file__)), "the stand-in, not a real vLLM"
@@ -382,22 +381,22 @@ def real_vllm_layer(state, seed: int) -> dict:
             err = max_rel_error(y, _reference(outs, lses, seq_lens, rank, hn)[0])
             queries = make_queries(seed + 2, n, B, hn, Dq, torch.bfloat16)
             q = manager.query_gather(queries[rank])
-            err, stepped = max(err, _steps(manager, seed + 3, n, hn, D, rank, set_forward_context, config)), True
+            err = max(err, _steps(manager, seed + 3, n, hn, D, rank, config))
         finally:
             ps.destroy_model_parallel()
-    return {"err": err, "stepped": stepped,
+    return {"err": err,
             "exact": torch.equal(q.view(torch.int16), torch.cat(queries, dim=1).view(torch.int16)),
             "storage_ok": q.is_contiguous() and q.untyped_storage().nbytes() >= B * padded * Dq * 2,
             "ours": getattr(manager, "_dcp_a2a_comm", None) is not None, "log": records.lines,
             "vllm": vllm.__file__, "calls": dict(calls)}
 
 
-def _steps(manager, seed: int, n: int, hn: int, D: int, rank: int, set_forward_context, config) -> float:
+def _steps(manager, seed: int, n: int, hn: int, D: int, rank: int, config) -> float:
     """Two model steps of two layers each, every layer on fresh inputs, in vLLM's own forward
     contexts: each step's first combine searches its metadata (the plugin passes the context as
     the step), the second reads the verdicts; the second step's seq_lens are refilled in place,
     as vLLM's persistent buffers are. Returns the largest error against the reference."""
-    from vllm.forward_context import get_forward_context
+    from vllm.forward_context import get_forward_context, set_forward_context
 
     qsl = torch.tensor(QUERY_START_LOC, dtype=torch.int32)
     held, err = None, 0.0
