@@ -266,7 +266,9 @@ def parser(cuda: bool, gpus: int, full: bool = False) -> argparse.ArgumentParser
                         "like layers); the graph modes need a GPU")
     p.add_argument("--metadata", action=argparse.BooleanOptionalAction, default=d["metadata"],
                    help="pass every combine vLLM's batch metadata, as its MLA layers do: a decode batch's "
-                        "seq_lens (about a quarter of each rank's shards empty) and query_start_loc")
+                        "seq_lens (about a quarter of each rank's shards empty) and query_start_loc, a model "
+                        "step per timed step (graph8: the first call searches them, the other seven read its "
+                        "verdicts)")
     p.add_argument("--iters", type=_positive, default=d["iters"], help="timed calls per point")
     p.add_argument("--num-warps", type=int, choices=[1, 2, 4, 8, 16], default=None, metavar="W",
                    help="fixed warps per program, 1 2 4 8 or 16 (default: chosen by call size)")
