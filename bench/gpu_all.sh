@@ -20,7 +20,7 @@ mapfile -t extra < <(python3 -c 'import os, shlex; [print(a) for a in shlex.spli
   "${extra[@]}" 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^soak|Error:|assert" | tail -40
 [ "${GPU_ALL_BENCH:-1}" = 0 ] && exit 0
-python3 -m bench.host_time 2>&1 | tee "$OUT/host_time.log" | sed -n 1,9p
+python3 -m bench.host_time 2>&1 | tee "$OUT/host_time.log" | sed -n 1,11p
 python3 -m bench.trace --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -10
 # The sweep without metadata (a plain run passes it by default), then with it: the rows beside each other.
 python3 -m bench --out "$OUT" "$@" --no-metadata 2>&1 | tee "$OUT/bench.log" | tail -40

@@ -69,8 +69,14 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
     entry = fused.bound(*caught[0])  # (None on the CPU: nothing is compiled there)
     # (every rank must run the same steps: a GPU's communicator loads this variant when it is built)
     assert entry is not None or not cuda, "the combine's variant is not loaded"
+    sl = torch.ones(B, dtype=torch.int32, device=comm.device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=comm.device)
+    step = object()  # (one step throughout: its calls after the first read the first's verdicts)
     steps = {
         "lse_reduce (out= given)": lambda: comm.lse_reduce(po, pl, out=y),
+        "lse_reduce (out=, metadata)": lambda: comm.lse_reduce(po, pl, out=y, seq_lens=sl, query_start_loc=qsl),
+        "lse_reduce (out=, metadata, a step)": lambda: comm.lse_reduce(po, pl, out=y, seq_lens=sl,
+                                                                       query_start_loc=qsl, step=step),
         HELD_STEP: lambda: comm.lse_reduce(po, pl, out=y),
         "lse_reduce (allocates out)": lambda: comm.lse_reduce(po, pl),
         "  combine_batch (checks)": lambda: combine_batch(comm._geometry, po, pl, y, None),

@@ -431,6 +431,49 @@ def step_graph_case(state, key: str, seed: int, replays: int = 6) -> float:
     return max_err
 
 
+def step_graph_reads_case(state, key: str, seed: int, replays: int = 2) -> float:
+    """A captured step's later call reads the verdicts its first call wrote: a graph clears the mask
+    between the two (every token kept), so the second call must return the unmasked combine. A
+    second call that searched the metadata again returns the masked one, which differs (checked)."""
+    comm: DcpAllToAll = state[key]
+    dev, H, D, hn, n, rank = comm.device, comm.num_heads, comm.head_dim, comm.heads_per_rank, comm.world, comm.rank
+    B, bounds = 6, [0, 1, 3, 4, 5]  # (token 5 is graph padding)
+    qsl = torch.tensor(bounds, dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    lens = [torch.randint(0, 2, (len(bounds) - 1,), generator=g, dtype=torch.int32) for _ in range(n)]
+    lens[0][0] = 0
+    sl, q = lens[rank].to(dev), qsl.to(dev)
+    po = torch.empty((2, B, H, D), dtype=comm.dtype, device=dev)
+    pl = torch.empty((2, B, H), dtype=torch.float32, device=dev)
+    ys = torch.empty((2, B, hn, D), dtype=comm.dtype, device=dev)
+    step = object()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        comm.lse_reduce(po[0], pl[0], out=ys[0], seq_lens=sl, query_start_loc=q, step=step)
+        comm._masks[0][:B].fill_(0)
+        comm.lse_reduce(po[1], pl[1], out=ys[1], seq_lens=sl, query_start_loc=q, step=step)
+    torch.cuda.current_stream().wait_stream(stream)
+    max_err = 0.0
+    for s in range(replays):
+        inputs = [make_inputs(seed + 100 * s + k, n, B, H, D, comm.dtype) for k in range(2)]
+        for k in range(2):
+            _fill(po[k], pl[k], *inputs[k], rank)
+        ys.fill_(float("nan"))
+        graph.replay()
+        masked = [chunk_reference(o, [mask_by_metadata(l, m, qsl) for l, m in zip(ls, lens)], rank, hn)[0]
+                  for o, ls in inputs]
+        unmasked = chunk_reference(*inputs[1], rank, hn)[0]
+        assert max_rel_error(masked[1], unmasked) > 10 * TOL[comm.dtype], "the cleared mask changes nothing here"
+        for y, ref in ((ys[0], masked[0]), (ys[1], unmasked)):
+            err = max_rel_error(y, ref)
+            assert err <= TOL[comm.dtype], f"error {err} (the second call did not read the cleared mask?)"
+            max_err = max(max_err, err)
+    torch.cuda.synchronize()
+    comm.check()
+    return max_err
+
+
 def graph_case(state, key: str, seed: int, sizes: list, calls_per_graph: int, replays: int,
                channel: int = 0) -> dict:
     """Graphs at several batch sizes, each holding several calls, replayed in a random order shared

@@ -55,7 +55,8 @@ def test_lse_reduce_matches_reference_gpu(worlds, n):
 def test_fp32_outputs_and_batch_metadata_gpu(worlds, n):
     """fp32 partial outputs, and vLLM's seq_lens / query_start_loc masks (int32, int64, strided,
     B above max_tokens), sequences of several tokens and graph padding, 2 to 530 sequences: one to
-    four steps of the kernel's 8-way search; a model step's calls (``step=``) eager and in graphs."""
+    four steps of the kernel's 8-way search; a model step's calls (``step=``) eager and in graphs
+    (the later calls of a captured step read its first call's verdicts)."""
     w = worlds(n, "cuda")
     seed = fresh_seed()
     w.run(rc.make_comm, "fp32", device="cuda", max_tokens=MAX_TOKENS, num_heads=16 * n, head_dim=512,
@@ -73,6 +74,7 @@ def test_fp32_outputs_and_batch_metadata_gpu(worlds, n):
         w.run(rc.metadata_case, "meta", seed + 10 + i, **case)
     w.run(rc.metadata_case, "meta", seed + 20, B=9, query_start_loc=[0, 2, 3, 5, 8], steps=2)  # step=
     w.run(rc.step_graph_case, "meta", seed + 30)
+    w.run(rc.step_graph_reads_case, "meta", seed + 40)
     w.run(rc.close_comm, "fp32")
     w.run(rc.close_comm, "meta")
 
