@@ -55,7 +55,7 @@ def geometry_disagreement(geometries: list) -> str:
     rank's constructor must agree on): each field that differs, with the ranks that have each value,
     e.g. ``head_dim: rank 0 has 64, rank 1 has 128``."""
     parts = []
-    for name in geometries[0]:
+    for name in dict.fromkeys(name for geometry in geometries for name in geometry):  # (an older release lacks some)
         by_value: dict = {}
         for rank, geometry in enumerate(geometries):
             by_value.setdefault(geometry.get(name), []).append(rank)

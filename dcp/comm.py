@@ -28,6 +28,11 @@ _COMBINE_NAMES = ("partial_out", "partial_lse", "out", "out_lse")  # (refuse_ove
 _GATHER_NAMES = ("q_local", "out")
 
 
+def _view(t: torch.Tensor) -> tuple:
+    """What a launch reads of a metadata tensor but its values."""
+    return t.data_ptr(), t.dtype, t.shape, t.stride()
+
+
 class DcpAllToAll:
     """The packed DCP all-to-all with LSE combine, and the query all-gather, on persistent buffers.
 
@@ -148,7 +153,8 @@ class DcpAllToAll:
         # The one transport every call takes, where there is one: calls then skip the routing.
         self._only = self._transport if len(self._transports) == 1 else None
         # Per channel, the empty-token mask of a step's metadata (``lse_reduce``'s ``step``) and what it
-        # was written for: (step, the metadata and call it describes), None until then.
+        # was written for: (step, the metadata views and call it describes, the launch metadata that
+        # reads it), None until then.
         self._masks = list(torch.ones((c.channels, c.max_tokens), dtype=torch.int8, device=c.device))
         self._mask_for: list = [None] * c.channels
         # Per channel, whether a captured graph writes its mask: a replay then rewrites it unseen here,
@@ -203,9 +209,10 @@ class DcpAllToAll:
         nothing to tokens past ``query_start_loc[S]`` (graph padding) or of sequences whose local
         length is 0. Read on the device inside the launch: no synchronization, capturable.
         ``step``: any object that stays the same for the calls of one model step (vLLM's plugin
-        passes its forward context), between which the metadata tensors keep their values. The
-        step's first call on a channel searches the metadata and keeps each token's verdict; its
-        later calls with the same tensors and B read that instead of searching (in a CUDA graph,
+        passes its forward context), between which the metadata tensors keep their values (and
+        shapes). The step's first call on a channel checks and searches the metadata and keeps each
+        token's verdict; its later calls with the same views (address, dtype, shape, strides) and B
+        read that instead of searching (in a CUDA graph,
         only verdicts written in the same capture; eager calls, only while no captured graph
         writes them). None: every call searches.
 
@@ -218,10 +225,10 @@ class DcpAllToAll:
                 B = combine_batch(self._geometry, partial_out, partial_lse, out, out_lse)
                 meta = mask_for = None
                 if seq_lens is not None or query_start_loc is not None:
-                    meta = metadata(self.device, seq_lens, query_start_loc, self._masks[channel], MASK_NONE)
                     if step is not None and B <= self.max_tokens:
-                        mode, mask_for = self._mask_mode(channel, step, meta, B, transport)
-                        meta = with_mask_mode(meta, mode)
+                        meta, mask_for = self._step_metadata(channel, step, seq_lens, query_start_loc, B, transport)
+                    else:
+                        meta = metadata(self.device, seq_lens, query_start_loc, self._masks[channel], MASK_NONE)
                 y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim),
                                                             dtype=self.dtype, device=self.device)
                 y_lse = None  # an out_lse without return_lse is not written
@@ -245,24 +252,27 @@ class DcpAllToAll:
         self._checked(channel, check)
         return (y, y_lse) if return_lse else y
 
-    def _mask_mode(self, channel: int, step: object, meta, B: int, transport) -> tuple:
-        """(MASK_READ, None) where the channel's mask was written for this step, these metadata
-        tensors, this B, by this transport (a poisoned one writes nothing, and its later calls
-        fail) and in this graph capture (eager: none, and while no captured graph writes the
-        mask); else (MASK_WRITE, what the mask will then describe), the mask forgotten until that
-        launch is made."""
+    def _step_metadata(self, channel: int, step: object, seq_lens, query_start_loc, B: int, transport) -> tuple:
+        """(launch metadata reading the channel's mask, None) where the mask was written for this
+        step, metadata tensors that are the same views (address, dtype, shape, strides: a view
+        checked by the step's first call, so not checked again), this B, by this transport (a
+        poisoned one writes nothing, and its later calls fail) and in this graph capture (eager:
+        none, and while no captured graph writes the mask); else (launch metadata writing it, what
+        the mask will then describe), the mask forgotten until that launch is made."""
         capture = 0
         if self.device.type == "cuda" and (torch.cuda.current_device() != self.device.index
                                            or torch.cuda.is_current_stream_capturing()):
             capture = cudart.capture_id(torch.cuda.current_stream(self.device).cuda_stream)
-        key = (transport, B, capture, meta.seq_lens.data_ptr(), meta.num_seqs, meta.s_sl, meta.qsl.data_ptr(),
-               meta.s_qsl)
         held = self._mask_for[channel]
-        if held is not None and held[0] is step and held[1] == key and (capture or not self._captured_masks[channel]):
-            return MASK_READ, None
+        if held is not None and held[0] is step and (capture or not self._captured_masks[channel]) \
+                and type(seq_lens) is torch.Tensor and type(query_start_loc) is torch.Tensor \
+                and held[1] == (transport, B, capture, _view(seq_lens), _view(query_start_loc)):
+            return held[2], None
+        meta = metadata(self.device, seq_lens, query_start_loc, self._masks[channel], MASK_WRITE)
         self._mask_for[channel] = None
         self._captured_masks[channel] |= capture != 0
-        return MASK_WRITE, (step, key)
+        return meta, (step, (transport, B, capture, _view(seq_lens), _view(query_start_loc)),
+                      with_mask_mode(meta, MASK_READ))
 
     def all_gather_heads(self, q_local: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                          channel: int = 0, check: Optional[bool] = None) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.checks import combine_geometry_error, geometry_disagreement, query_geometry_error
+from dcp.constants import WIRE_REVISION
 from dcp.errors import DcpError
 from dcp.rendezvous import agree, all_gather
 
@@ -213,7 +214,8 @@ def agree_config(group: dist.ProcessGroup, config: Optional[Config], error: Opti
     geometry = None if config is None else dict(
         max_tokens=config.max_tokens, num_heads=config.num_heads, head_dim=config.head_dim, dtype=str(config.dtype),
         channels=config.channels, world=config.world, backend=config.backend, num_warps=config.num_warps,
-        query_dim=config.query_dim, query_dtype=str(config.query_dtype), DCP_A2A_MEASURE=config.measures)
+        query_dim=config.query_dim, query_dtype=str(config.query_dtype), DCP_A2A_MEASURE=config.measures,
+        wire_revision=WIRE_REVISION)  # (another release of this package on one rank: rows it would misread)
     index = None if config is None else config.device.index
     facts = all_gather(group, (geometry, error, place, index), "DcpAllToAll construction")
     agree(group, error, "DcpAllToAll construction", errors=[f[1] for f in facts])

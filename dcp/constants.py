@@ -2,6 +2,11 @@
 words, the call tags, the control words and the trace. Plain Python: importing it loads no Triton,
 so the host's planning and decoding modules (``dcp.protocol``, ``dcp.plan``) load without it."""
 
+# The layout of what ranks exchange (rows, slots, flags, tags): the ranks of a group must all run
+# the same one, which construction checks. Raised with every change to it; 2: combine rows padded
+# to 32 bytes, not 16.
+WIRE_REVISION = 2
+
 # The epoch kept on the device runs over [0, EPOCH_PERIOD); a call uses e = epoch + 1, in
 # [1, EPOCH_PERIOD]. The period is even so that the slot parity e & 1 alternates across the wrap,
 # and e is never 0, the value of flags that were never written. The state word holds

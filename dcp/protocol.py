@@ -37,7 +37,7 @@ class ChannelLayout:
 
     A row is ``head_dim`` values of ``value_words`` 16-bit words each (a combine's D values: fp16 and
     bf16 one word, fp32 two; a query row as raw 16-bit words), then, for the combine, the fp32 LSE
-    as two 16-bit lanes, padded to 16 bytes. Its sizes are
+    as two 16-bit lanes, padded to 32 bytes (a query row to 16). Its sizes are
     computed once: the call path reads them on every launch. A call's tiling (warps per program,
     rows per tile) depends on its size, unless ``num_warps`` fixes it, and on ``programs``, the
     grid that every rank of the group keeps resident (the smallest over the ranks, so that every
@@ -70,8 +70,11 @@ class ChannelLayout:
         return self.head_dim // self.chunk_words if not self.lse else 1
 
     @cached_property
-    def row_elems(self) -> int:  # 16-bit words: the values (+ fp32 LSE as two lanes), padded to 16 bytes
-        return _align(self.lse_offset + (2 if self.lse else 0), 8)
+    def row_elems(self) -> int:
+        """16-bit words: the values (+ the fp32 LSE as two lanes). A combine row is padded to 32 bytes:
+        each row then starts on a memory sector, which made the push's stores of 1 KiB rows 1.5-2%
+        faster than 16 bytes did (docs/design.md, section 5.1); a query row to 16."""
+        return _align(self.lse_offset + (2 if self.lse else 0), 16 if self.lse else 8)
 
     @cached_property
     def lse_offset(self) -> int:  # the 16-bit word where a row's LSE starts

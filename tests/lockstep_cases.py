@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import DcpAllToAll, DcpError, DcpMismatchError
+from dcp.constants import WIRE_REVISION
 from dcp.reference import chunk_reference, make_inputs, max_rel_error
 from tests.rank_cases import DTYPES, TOL, shm_segments
 
@@ -269,6 +270,15 @@ def construct_per_rank(state, per_rank: dict, **common) -> str:
     assert time.monotonic() - t0 < 60, "construction took a timeout to fail"
     assert shm_segments() == before, "a failed construction left shared memory behind"
     return msg
+
+
+def construct_with_wire_revision(state, revisions: dict, **common) -> str:
+    """Construction where rank r runs wire revision ``revisions[r]`` (another release of this
+    package on that rank); returns the message of the DcpError that every rank must raise."""
+    from unittest import mock
+
+    with mock.patch("dcp.config.WIRE_REVISION", revisions.get(dist.get_rank(), WIRE_REVISION)):
+        return construct_per_rank(state, {}, **common)
 
 
 def integer_like_arguments(state, seed: int) -> float:

@@ -175,13 +175,22 @@ def _metadata_call(state, key: str, seed: int, meta_seed: int, B: int, query_sta
     return err
 
 
-def metadata_errors(state, key: str) -> list:
+def metadata_errors(state, key: str, in_step: bool = False) -> list:
     """Inconsistent batch metadata, the same on every rank: vLLM's errors (and ours for a dtype or
-    layout it cannot read); every rank rejects alike, so the next call is still in step."""
+    layout it cannot read); every rank rejects alike, so the next call is still in step. ``in_step``:
+    each bad call comes within a step whose first call had good metadata (a step's later calls skip
+    the checks only for views of what that call passed), and a step's call with other tensors of the
+    same values searches them again, but not one with new views of the same ones (vLLM slices them)."""
     comm: DcpAllToAll = state[key]
     po = torch.randn(3, comm.num_heads, comm.head_dim).to(comm.dtype)
     pl = torch.randn(3, comm.num_heads)
     good_sl, good_q = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    step = object() if in_step else None
+    if in_step:
+        comm.lse_reduce(po, pl, seq_lens=good_sl, query_start_loc=good_q, step=step, check=True)
+        kept = comm._mask_for[0]
+        comm.lse_reduce(po, pl, seq_lens=good_sl[:], query_start_loc=good_q[:3], step=step, check=True)
+        assert comm._mask_for[0] is kept, "new views of the step's tensors searched them again"
     bad = [dict(seq_lens=good_sl), dict(query_start_loc=good_q),
            dict(seq_lens=good_sl, query_start_loc=good_q[:2]),
            dict(seq_lens=good_sl[None], query_start_loc=good_q),
@@ -190,12 +199,22 @@ def metadata_errors(state, key: str) -> list:
     messages = []
     for kwargs in bad:
         try:
-            comm.lse_reduce(po, pl, check=True, **kwargs)
+            comm.lse_reduce(po, pl, check=True, step=step, **kwargs)
             messages.append("accepted")
         except (TypeError, ValueError) as exc:
             messages.append(f"{type(exc).__name__}: {exc}")
     y = comm.lse_reduce(po, pl, seq_lens=good_sl, query_start_loc=good_q, check=True)
     assert torch.isfinite(y.float()).all()
+    if in_step:
+        for sl, q in ((good_sl.clone(), good_q), (good_sl, good_q.clone()), (good_sl, good_q.long()),
+                      (good_sl, good_q[:2]), (torch.tensor([1, 2, 5], dtype=torch.int32)[:2], good_q)):
+            kept = comm._mask_for[0]
+            try:
+                comm.lse_reduce(po, pl, seq_lens=sl, query_start_loc=q, step=step, check=True)
+            except ValueError:  # (query_start_loc too short: refused, the mask kept)
+                assert q.shape[0] == 2 and comm._mask_for[0] is kept
+                continue
+            assert comm._mask_for[0] is not kept, f"other tensors read the step's verdicts: {sl}, {q}"
     return messages
 
 

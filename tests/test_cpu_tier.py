@@ -146,6 +146,7 @@ def test_inconsistent_batch_metadata_is_refused_on_every_rank(worlds):
     assert messages[0][:4] == [together, together, boundary, boundary], messages[0]
     assert "torch.int32 or torch.int64" in messages[0][4]
     assert messages[0][5].startswith("TypeError: seq_lens: expected a torch.Tensor"), messages[0]
+    assert w.run(rc.metadata_errors, "meta", True) == messages  # within a step: refused alike
     w.run(rc.close_comm, "meta")
 
 
@@ -200,6 +201,18 @@ def test_a_geometry_mismatch_names_the_fields_that_differ(worlds):
                        "query_dtype: rank 0 has torch.bfloat16, rank 1 has torch.float16"), msgs[0]
 
 
+def test_ranks_of_another_wire_revision_fail_together(worlds):
+    """A rank running another release of the exchange's layout (its rows would be misread, not
+    refused, by the kernels) fails construction on every rank, naming it."""
+    from tests import lockstep_cases as lc
+    from dcp.constants import WIRE_REVISION
+
+    msgs = worlds(2).run(lc.construct_with_wire_revision, {1: WIRE_REVISION - 1}, max_tokens=8, num_heads=4,
+                         head_dim=64)
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0].endswith(f": wire_revision: rank 0 has {WIRE_REVISION}, rank 1 has {WIRE_REVISION - 1}"), msgs[0]
+
+
 def test_geometry_disagreement_groups_ranks_by_value():
     from dcp.checks import geometry_disagreement
 
@@ -209,6 +222,9 @@ def test_geometry_disagreement_groups_ranks_by_value():
     text = geometry_disagreement(geometries)
     assert text.endswith(": head_dim: ranks 0-2, 4-7 have 2, rank 3 has 128; "
                          "DCP_A2A_MEASURE: ranks 0-2, 4-7 have 10, rank 3 has True"), text
+    # A rank of an older release, whose geometry lacks a field, is named by that field too.
+    text = geometry_disagreement([dict(base, wire_revision=2), base])
+    assert text.endswith(": wire_revision: rank 0 has 2, rank 1 has None"), text
 
 
 def test_ranks_share_the_constructors_compiles(worlds):
