@@ -29,8 +29,10 @@ _GATHER_NAMES = ("q_local", "out")
 
 
 def _view(t: torch.Tensor) -> tuple:
-    """What a launch reads of a metadata tensor but its values."""
-    return t.data_ptr(), t.dtype, t.shape, t.stride()
+    """What a launch reads of a metadata tensor but its values (the device too: an empty tensor's
+    address is 0 on any). A sound key within a step: the held launch metadata keeps the first call's
+    tensors alive, so their addresses cannot be reused by other tensors meanwhile."""
+    return t.device, t.data_ptr(), t.dtype, t.shape, t.stride()
 
 
 class DcpAllToAll:

@@ -206,6 +206,18 @@ def metadata_errors(state, key: str, in_step: bool = False) -> list:
     y = comm.lse_reduce(po, pl, seq_lens=good_sl, query_start_loc=good_q, check=True)
     assert torch.isfinite(y.float()).all()
     if in_step:
+        # Views of one buffer at one address: another dtype is refused, another stride searched.
+        wide = torch.tensor([1, 7, 2, 7], dtype=torch.int32)
+        comm.lse_reduce(po, pl, seq_lens=wide[:2], query_start_loc=good_q, step=step, check=True)
+        try:
+            comm.lse_reduce(po, pl, seq_lens=wide[:2].view(torch.float32), query_start_loc=good_q, step=step,
+                            check=True)
+            raise AssertionError("a float view of the step's seq_lens was accepted")
+        except TypeError:
+            pass
+        kept = comm._mask_for[0]
+        comm.lse_reduce(po, pl, seq_lens=wide[::2], query_start_loc=good_q, step=step, check=True)
+        assert comm._mask_for[0] is not kept, "a view of another stride read the step's verdicts"
         for sl, q in ((good_sl.clone(), good_q), (good_sl, good_q.clone()), (good_sl, good_q.long()),
                       (good_sl, good_q[:2]), (torch.tensor([1, 2, 5], dtype=torch.int32)[:2], good_q)):
             kept = comm._mask_for[0]

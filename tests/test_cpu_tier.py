@@ -225,6 +225,8 @@ def test_geometry_disagreement_groups_ranks_by_value():
     # A rank of an older release, whose geometry lacks a field, is named by that field too.
     text = geometry_disagreement([dict(base, wire_revision=2), base])
     assert text.endswith(": wire_revision: rank 0 has 2, rank 1 has None"), text
+    text = geometry_disagreement([base, dict(base, wire_revision=2)])  # (the older one at rank 0)
+    assert text.endswith(": wire_revision: rank 0 has None, rank 1 has 2"), text
 
 
 def test_ranks_share_the_constructors_compiles(worlds):
