@@ -44,7 +44,7 @@ def traced_calls(state, B: int, heads_per_rank: int, head_dim: int, calls: int, 
     n, rank = dist.get_world_size(), dist.get_rank()
     if "comm" in state:
         state.pop("comm").close()
-    comm = state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=B, num_heads=heads_per_rank * n,
+    comm = state["comm"] = DcpAllToAll(dist.group.WORLD, max_tokens=max(B, 1), num_heads=heads_per_rank * n,
                                        head_dim=head_dim, dtype=torch.bfloat16, backend="triton",
                                        num_warps=num_warps)
     outs, lses = make_inputs(B, n, B, comm.num_heads, head_dim, comm.dtype)
@@ -62,7 +62,7 @@ def traced_calls(state, B: int, heads_per_rank: int, head_dim: int, calls: int, 
         graph.replay()
     records = comm.trace().numpy()
     comm.check()
-    return records[-replays * calls:], comm.tiling(B)[0]
+    return records[-replays * calls:], comm.tiling(max(B, 1))[0]  # (B = 0 launches B = 1's grid)
 
 
 def phases(per_rank: list, calls: int) -> dict:
@@ -99,7 +99,9 @@ def phases(per_rank: list, calls: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, nargs="+", default=[3, 6])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 512])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 512],
+                   help="tokens per call, a row per value (0: a call of no work, which still publishes and "
+                        "waits for its peers' flags)")
     p.add_argument("--head-dim", type=int, default=512)
     p.add_argument("--heads-per-rank", type=int, default=16)
     p.add_argument("--calls", type=int, default=8)
