@@ -26,10 +26,10 @@ The same Python source is built twice: compiled for CUDA, where publishing and p
 stores and loads ordered by ``fence.acq_rel`` (at GPU scope when every rank runs on one GPU, else at
 system scope: ``GPU_SCOPE``) and time comes from ``%globaltimer``;
 and under Triton's interpreter for CPU tensors, where the same helpers are host atomics, a
-monotonic clock and a yield, so that rank processes sharing few cores keep progressing.
+monotonic clock and a sleep(0) per poll, so that rank processes sharing few cores, and the other
+threads of a rank's process, keep progressing.
 """
 
-import os
 import time
 import types
 
@@ -689,7 +689,9 @@ def _now_cpu(x):
 
 
 def _pause_cpu():
-    os.sched_yield()
+    # Gives up the GIL as well as the core: os.sched_yield() kept the GIL, and on an idle 2-core
+    # host another thread of the process then waited up to 21 s for it (a peer's call timed out).
+    time.sleep(0)
 
 
 def _call_failed_cpu(status, e):

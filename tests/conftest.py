@@ -28,10 +28,25 @@ def fresh_seed() -> int:
     return seed
 
 
+_live_worlds: list = []  # the ``made`` dicts of the ``worlds`` fixtures in use
+
+
+def pytest_runtest_makereport(item, call):
+    """After a test fails, its module's worlds are closed: their ranks may be out of step (a pending
+    collective, a killed peer), and each later test would fail on them, hiding its own result."""
+    if call.when == "call" and call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
+        for made in _live_worlds:
+            for w in made.values():
+                w.close(timeout=30.0)
+            made.clear()
+
+
 @pytest.fixture(scope="module")
 def worlds():
-    """Rank-process groups by size, kept for the module and torn down with a leak check."""
+    """Rank-process groups by size, kept for the module (a failed test's are replaced) and torn
+    down with a leak check."""
     made: dict = {}
+    _live_worlds.append(made)
 
     def get(n: int, device: str = "cpu") -> World:
         if (n, device) not in made:
@@ -39,6 +54,7 @@ def worlds():
         return made[(n, device)]
 
     yield get
+    _live_worlds.remove(made)
     for w in made.values():
         w.close()
     check_no_leaks()

@@ -134,8 +134,8 @@ def two_threads_one_channel(state, key: str, seed: int) -> dict:
     if comm.rank != 0:
         return {"first": _late_peer_call(comm, seed, 2), "next": _then_poisoned(comm, seed + 1)}
     results: dict = {}
-    # (the refused call's inputs are made first: torch work in this thread while the other one runs
-    # the interpreter stalled here for 20-30 s on 2 cores, past the peers' timeout)
+    # (the refused call's inputs are made first: the less this thread does while the other one is
+    # inside its call, the sooner rank 1 is let in)
     _, _, po, pl = _inputs(comm, seed + 5, 2)
     worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2)))
     worker.start()

@@ -9,7 +9,7 @@ from dcp.buffers import SHM_PREFIX
 from dcp.spawn import World
 from dcp.constants import EPOCH_PERIOD
 from tests import rank_cases as rc
-from tests.conftest import check_no_leaks, fresh_seed
+from tests.conftest import check_no_leaks, fresh_seed, pytest_runtest_makereport
 
 SHORT_TIMEOUT_S = 2.0
 
@@ -190,6 +190,29 @@ def test_a_leak_of_this_sessions_own_fails_the_check(worlds):
     finally:
         for path in left:
             os.unlink(path)
+
+
+def test_a_failed_test_leaves_fresh_worlds_to_the_next(worlds):
+    """A failure in one test (its ranks possibly out of step) closes the module's worlds; a skip
+    does not."""
+    def report(raise_it):
+        try:
+            raise_it()
+        except BaseException:
+            call = type("Call", (), {"when": "call", "excinfo": pytest.ExceptionInfo.from_current()})
+            pytest_runtest_makereport(None, call)
+
+    def differs():
+        raise AssertionError("a rank's result differs")
+
+    first = worlds(2)
+    report(lambda: pytest.skip("not this one"))
+    assert worlds(2) is first and all(p.is_alive() for p in first.procs)
+    report(differs)
+    assert not any(p.is_alive() for p in first.procs)
+    second = worlds(2)
+    assert second is not first and second.run(rc.make_comm, "fresh", max_tokens=2, num_heads=4, head_dim=16)
+    second.run(rc.close_comm, "fresh")
 
 
 def test_construct_close_50_times_leaks_nothing(worlds):
