@@ -3,8 +3,8 @@ words, the call tags, the control words and the trace. Plain Python: importing i
 so the host's planning and decoding modules (``dcp.protocol``, ``dcp.plan``) load without it."""
 
 # The layout of what ranks exchange (rows, slots, flags, tags): the ranks of a group must all run
-# the same one, which construction checks. Raised with every change to it; 2: combine rows padded
-# to 32 bytes, not 16.
+# the same one, which construction checks. Raised with every change to it (a test fingerprints the
+# layout of each revision); 2: combine rows padded to 32 bytes, not 16.
 WIRE_REVISION = 2
 
 # The epoch kept on the device runs over [0, EPOCH_PERIOD); a call uses e = epoch + 1, in

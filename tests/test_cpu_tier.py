@@ -313,3 +313,42 @@ def test_every_tiling_is_a_power_of_two_of_whole_units():
                         assert units & (units - 1) == 0, (n, words, max_tokens, lse, w, units)
                     cw = lay.chunk_words  # the combine: one padded block a row; the gather: whole chunks
                     assert cw & (cw - 1) == 0 and (cw >= words if lse else words % cw == 0 and cw >= 8), (words, cw)
+
+
+def _wire_layout() -> str:
+    """What ranks exchange, as numbers: each collective's rows and tiling and the channel's offsets
+    at a spread of geometries, and the flags' encoding (epoch and tag fields)."""
+    import hashlib
+    from dcp import constants as k
+    from dcp.protocol import STATE_BYTES, ChannelLayout, ChannelRegion
+
+    facts = [k.EPOCH_SHIFT, k.TAG_KIND_SHIFT, k.TAG_BASE2, k.TAG_ABORT, k.TAG_POISONED, k.TAG_NONE, k.TAG_LOAD,
+             k.TAG_GAVE_UP, k.KIND_COMBINE, k.KIND_GATHER, STATE_BYTES]
+    for world, hpr, dim, value_words, qwords, tokens, warps, programs in [
+            (2, 16, 512, 1, 576, 1, None, 132), (3, 16, 512, 1, 576, 512, None, 132), (6, 8, 128, 2, 96, 64, None, 78),
+            (8, 4, 64, 1, 64, 300, 4, 16), (5, 3, 24, 2, 40, 7, None, 1)]:
+        combine = ChannelLayout(world, hpr, dim, tokens, warps, programs, value_words=value_words)
+        gather = ChannelLayout(world, hpr, qwords, tokens, warps, programs, lse=False)
+        region = ChannelRegion((combine, gather))
+        facts.append((region.flag_offset, region.recv_offset, region.slot_elems, region.nbytes, region.tiles_max))
+        for lay in (combine, gather):
+            facts.append((lay.row_elems, lay.lse_offset, lay.chunk_words, lay.chunks, lay.warps_by_size,
+                          sorted(lay.tilings.items()), lay.tiles_max))
+    return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+
+
+# WIRE_REVISION -> _wire_layout() of that revision (append one with each new revision). 1: the
+# layout of the releases before it was agreed (16-byte combine rows; computed at cc3b5b7's parent).
+WIRE_LAYOUTS = {1: "7aea1fecde3e3966", 2: "6972127726354fe8"}
+
+
+def test_a_change_to_the_wire_layout_raises_the_wire_revision():
+    """Ranks of two releases pair only if their layouts agree, and construction compares
+    ``WIRE_REVISION`` alone: a layout change that leaves it as it was would be misread, not refused."""
+    from dcp.constants import WIRE_REVISION
+
+    assert WIRE_REVISION in WIRE_LAYOUTS, f"record WIRE_LAYOUTS[{WIRE_REVISION}] = {_wire_layout()!r}"
+    assert _wire_layout() == WIRE_LAYOUTS[WIRE_REVISION], (
+        f"the wire layout changed ({_wire_layout()!r}) but WIRE_REVISION is still {WIRE_REVISION}: raise it in "
+        "dcp/constants.py and record the new layout in WIRE_LAYOUTS")
+    assert len(set(WIRE_LAYOUTS.values())) == len(WIRE_LAYOUTS), "two revisions with one layout"
