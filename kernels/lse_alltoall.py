@@ -251,16 +251,6 @@ def _load_lse(src, row, rmask, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
     return tl.where((lv != lv) | (lv == float("inf")), float("-inf"), lv)
 
 
-def _round_to(acc, out_ty: tl.constexpr):
-    """fp32 to the output dtype, rounded to nearest even on both tiers. bf16 by integer arithmetic:
-    Triton 3.6's interpreter truncates an fp32-to-bf16 cast whatever rounding it is asked for."""
-    if out_ty == tl.bfloat16:
-        bits = acc.to(tl.uint32, bitcast=True)
-        hi = tl.where(acc != acc, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return acc.to(out_ty, fp_downcast_rounding="rtne")
-
-
 def _combine_rows(src16, row0, src_stride, ctl, to_me, own16, own, y_ptrs, yl_ptrs, rmask, c_off, cmask,
                   write_lse, log2_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
                   LSE_OFF: tl.constexpr, RECV_OFF: tl.constexpr, PULL: tl.constexpr, OWN_ALIGNED: tl.constexpr):
@@ -664,6 +654,12 @@ def _pause_gpu():
     pass
 
 
+def _round_to_gpu(acc, out_ty: tl.constexpr):
+    # (the native cvt.rn: bf16 by integer rounding cost 96 more instructions a B = 1 combine, and
+    # 1-6% of the combine's time on one H200: docs/design.md, section 5.1)
+    return acc.to(out_ty, fp_downcast_rounding="rtne")
+
+
 def _call_failed_gpu(status, e):
     return e != e  # programs wait concurrently on a GPU: no need to read host memory per tile
 
@@ -688,6 +684,16 @@ def _now_cpu(x):
     return tl.full((), time.monotonic_ns(), tl.int64)
 
 
+def _round_to_cpu(acc, out_ty: tl.constexpr):
+    # Rounded to nearest even as on the GPU; bf16 by integer arithmetic: Triton 3.6's interpreter
+    # truncates an fp32-to-bf16 cast whatever rounding it is asked for.
+    if out_ty == tl.bfloat16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        hi = tl.where(acc != acc, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return acc.to(out_ty, fp_downcast_rounding="rtne")
+
+
 def _pause_cpu():
     # Gives up the GIL as well as the core: os.sched_yield() kept the GIL, and on an idle 2-core
     # host another thread of the process then waited up to 21 s for it (a peer's call timed out).
@@ -699,9 +705,10 @@ def _call_failed_cpu(status, e):
     return (tl.load(status, volatile=True) != 0) & (tl.load(status + 1, volatile=True) == e)
 
 
-_MODE_HELPERS = ("_load_relaxed", "_load_acquire", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed")
+_MODE_HELPERS = ("_load_relaxed", "_load_acquire", "_store_relaxed", "_fence", "_now", "_pause", "_call_failed",
+                 "_round_to")
 _SHARED_HELPERS = (_tile_rows, _search_start, _empty_rows, _load_tile, _store_tile, _chunk_units, _load_chunks,
-                   _store_chunks, _copy_chunks, _source, _source_flags, _load_lse, _round_to, _combine_rows,
+                   _store_chunks, _copy_chunks, _source, _source_flags, _load_lse, _combine_rows,
                    _finish_combine, _stamp, _scale_strides, _gave_up, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse", "tok0", "num_seqs", "s_sl", "s_qsl", "mask_mode"]
