@@ -46,7 +46,7 @@ def _serve(rank: int, world: int, port: int, conn, device: str, env: dict, pg_ba
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
         # The ranks share the host's few cores and spin in their waits: a rank's intra-op threads
-        # would only compete with its peers' kernels (on 2 cores a peer came 30 s late).
+        # would only compete with its peers' kernels for them.
         torch.set_num_threads(1)
     dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     conn.send(("ready", None))
