@@ -138,7 +138,7 @@ def fused_variants(layouts: dict, region: ChannelRegion, gpu_scope: bool, trace:
             early = pdl and layout.launches_early(w)
             variants[kind, w] = (dict(region.constexprs(layout, w), GPU_SCOPE=gpu_scope, TRACE=trace, PDL=early,
                                       PULL=pull),
-                                 compile_options(w, early))
+                                 compile_options(layout.program_warps(w), early))
     return variants
 
 

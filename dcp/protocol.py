@@ -109,6 +109,16 @@ class ChannelLayout:
                 return w
         return SMALL_CALL_WARPS
 
+    def program_warps(self, warps: int) -> int:
+        """The warps a program of a tiling runs: a combine tile of one or two warps' rows runs on
+        four times as many (the same rows, fewer columns a thread), which shortens a small call's
+        chain of per-row work. One H100, graph8, with metadata: B = 1 0.95x (N = 3) and 0.88x
+        (N = 6); B = 0 0.96x and 1.05x; the gather's copies gained nothing that way
+        (docs/design.md, section 5.2). A fixed ``num_warps`` is taken as it is."""
+        if self.lse and self.num_warps is None and warps < 4:
+            return 4 * warps
+        return warps
+
     def launches_early(self, warps: int) -> bool:
         """Whether a tiling's calls use programmatic dependent launch (where it is on): only the
         small calls' (16-warp calls lost 5.6% with it at N = 6, B = 512 on one H200)."""

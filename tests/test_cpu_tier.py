@@ -58,6 +58,11 @@ def test_small_calls_take_the_smallest_tiles_one_round_of_the_grid_covers():
     assert lay.tiles_max == max(lay.tiles(n, lay.warps_for(n)) for n in range(1, 513)) == 256
     assert [lay.launches_early(w) for w in sorted(lay.tilings)] == [True] * 4 + [False]
     assert ChannelLayout(3, 1, 128, 512, num_warps=16).launches_early(16)
+    # a combine tile of 1 or 2 warps' rows runs on 4x the warps; the gather's and a fixed count as they are
+    assert [lay.program_warps(w) for w in sorted(lay.tilings)] == [4, 8, 4, 8, 16]
+    gather = ChannelLayout(world=2, heads_per_rank=16, head_dim=576, max_tokens=512, programs=132, lse=False)
+    assert [gather.program_warps(w) for w in (1, 2, 4)] == [1, 2, 4]
+    assert ChannelLayout(3, 1, 128, 512, num_warps=1).program_warps(1) == 1
 
 
 def test_small_and_large_call_tilings_alternate(worlds):
@@ -69,7 +74,8 @@ def test_small_and_large_call_tilings_alternate(worlds):
     # what the communicator reports for each size (the CPU runs 4 programs; interpreted: no
     # programmatic launch); a chunked call runs in launches of max_tokens
     got = w.run(rc.tilings, "tiles", [1, 5, 17, 40, 100, LARGE_CALL_TOKENS, 10 ** 6, 0])
-    assert got == [[(1, False), (1, False), (2, False), (4, False), (8, False), (16, False), (16, False),
+    # (warps per program: a combine tile of 1 or 2 warps' rows runs on 4x the warps)
+    assert got == [[(4, False), (4, False), (8, False), (4, False), (8, False), (16, False), (16, False),
                     "n_tokens: expected a positive integer, got 0"]] * 3
     w.run(rc.make_comm, "nccl", max_tokens=LARGE_CALL_TOKENS + 8, num_heads=3, head_dim=128, backend="nccl")
     assert w.run(rc.tilings, "nccl", [1, LARGE_CALL_TOKENS]) == [[(8, False)] * 2] * 3  # one tiling
@@ -89,7 +95,7 @@ def test_ranks_with_different_grids_tile_calls_alike(worlds):
         w.conns[r].send((rc.make_comm.__module__, "make_comm", ("grids",),
                          dict(max_tokens=24, num_heads=3, head_dim=128, max_programs=1 + 2 * r)))
     w._collect(range(3), 120)
-    assert w.run(rc.tilings, "grids", [1, 5, 17]) == [[(1, False), (2, False), (8, False)]] * 3
+    assert w.run(rc.tilings, "grids", [1, 5, 17]) == [[(4, False), (8, False), (8, False)]] * 3
     seed = fresh_seed()
     for i, B in enumerate([5, 1, 17]):
         w.run(rc.lse_case, "grids", seed + i, B=B, use_out=True)
