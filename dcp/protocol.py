@@ -113,7 +113,7 @@ class ChannelLayout:
         """The warps a program of a tiling runs: a combine tile of one or two warps' rows runs on
         four times as many (the same rows, fewer columns a thread), which shortens a small call's
         chain of per-row work. One H100, graph8, with metadata: B = 1 0.95x (N = 3) and 0.88x
-        (N = 6); B = 0 0.96x and 1.05x; the gather's copies gained nothing that way
+        (N = 6); B = 0 0.96x and 1.05x; the gather's copies 0.96-1.04x, so they keep their warps
         (docs/design.md, section 5.2). A fixed ``num_warps`` is taken as it is."""
         if self.lse and self.num_warps is None and warps < 4:
             return 4 * warps
