@@ -16,7 +16,7 @@ from dcp.checks import as_words, combine_batch, gather_batch, refuse_overlap
 from dcp.config import agree_config, resolve
 from dcp.constants import KIND_COMBINE, KIND_GATHER, MASK_NONE, MASK_READ, MASK_WRITE, TAG_ABORT, TAG_POISONED
 from dcp.errors import DcpError
-from dcp.launch import gather_operands, launch_operands, metadata, with_mask_mode
+from dcp.launch import gather_operands, launch_operands, metadata, outputs_apart, with_mask_mode
 from dcp.loading import KernelLoader
 from dcp.measure import measure_plan
 from dcp.protocol import POISONED_NOTE, ChannelRegion, call_tag, channel_layouts
@@ -238,7 +238,7 @@ class DcpAllToAll:
                     y_lse = out_lse if out_lse is not None else torch.empty(
                         (B, self.heads_per_rank), dtype=torch.float32, device=self.device)
                 operands = launch_operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
-                if out is not None or out_lse is not None:
+                if (out is not None or out_lse is not None) and not outputs_apart(self._geometry, B, operands):
                     refuse_overlap(_COMBINE_NAMES, (partial_out, partial_lse, out, out_lse), 2)
                 if operands[0] not in self._loader.ready:
                     self._loader.load(KIND_COMBINE, (partial_out, partial_lse, y), operands)
@@ -251,7 +251,8 @@ class DcpAllToAll:
                 self._mask_for[channel] = mask_for
         finally:
             busy.release()
-        self._checked(channel, check)
+        if check if check is not None else self.check_calls:
+            self._checked(channel)
         return (y, y_lse) if return_lse else y
 
     def _step_metadata(self, channel: int, step: object, seq_lens, query_start_loc, B: int, transport) -> tuple:
@@ -295,7 +296,7 @@ class DcpAllToAll:
                 if out is not None:
                     refuse_overlap(_GATHER_NAMES, (q_local, out), 1)
                 q16, y16 = as_words("q_local", q_local), as_words("out", y)
-                operands = gather_operands(q16, y16)
+                operands = gather_operands(q16, self._loader.scratch, y16)
                 if operands[0] not in self._loader.ready:
                     self._loader.load(KIND_GATHER, (q16, self._loader.scratch, y16), operands)
             except BaseException:
@@ -304,17 +305,17 @@ class DcpAllToAll:
             self._launches(transport, KIND_GATHER, operands, q16, self._loader.scratch, y16, None, B, channel, True)
         finally:
             busy.release()
-        self._checked(channel, check)
+        if check if check is not None else self.check_calls:
+            self._checked(channel)
         return y
 
-    def _checked(self, channel: int, check: Optional[bool]) -> None:
-        """With ``check`` (default: the constructor's), wait for the call and raise its failure."""
-        if check if check is not None else self.check_calls:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            error = self._device_error(channel)  # this call's own failure (or the first before it)
-            if error is not None:
-                raise error
+    def _checked(self, channel: int) -> None:
+        """A call's ``check``: wait for the call and raise its failure."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        error = self._device_error(channel)  # this call's own failure (or the first before it)
+        if error is not None:
+            raise error
 
     def _enter(self, channel, kind: int, first) -> tuple:
         """Take the channel for this call and pick its transport (by ``first``'s B and whether the
@@ -329,15 +330,15 @@ class DcpAllToAll:
                 self._host_poison.setdefault(c, f"a call named channel {channel!r}, which does not exist")
             raise ValueError(f"channel: expected an integer in [0, {self.channels}), got {channel!r}")
         busy = self._busy[channel]
-        if not busy.acquire(blocking=False):
+        if not busy.acquire(False):  # (positional: a keyword costs a C call more time)
             self._check_open()
             # The call in flight keeps the channel; this one is lost, so the ranks' call counts differ.
             self._host_poison.setdefault(channel, "two threads called on it at once")
             raise DcpError(f"channel {channel} is busy: another thread of this process is inside a call on "
                            f"it (calls that may run concurrently need channels of their own); {POISONED_NOTE}")
         transport = self._only or self._route(kind, first, channel)
-        error = self._channel_error(channel)
-        if error is not None:
+        if channel in self._host_poison or self._device_error(channel) is not None:
+            error = self._channel_error(channel)
             try:
                 self._announce(transport, channel, TAG_POISONED)
             finally:
@@ -384,14 +385,15 @@ class DcpAllToAll:
         tag = call_tag(kind, B, not base_e)
         try:
             if B <= self.max_tokens:
-                transport.launch(operands=operands, po=po, lse=lse, y=y, y_lse=y_lse, n_tokens=B, tag=tag,
-                                 channel=channel, base_e=base_e, meta=meta)
+                transport.launch(operands, po, lse, y, y_lse, B, tag, channel, base_e, meta)
                 return
             for b0 in range(0, B, self.max_tokens):
                 b1 = min(B, b0 + self.max_tokens)
-                transport.launch(operands=operands, po=po[b0:b1], lse=lse if kind == KIND_GATHER else lse[b0:b1],
-                                 y=y[b0:b1], y_lse=None if y_lse is None else y_lse[b0:b1], n_tokens=b1 - b0,
-                                 tag=tag, channel=channel, base_e=base_e, meta=meta, tok0=b0)
+                chunk = (po[b0:b1], lse if kind == KIND_GATHER else lse[b0:b1], y[b0:b1],
+                         None if y_lse is None else y_lse[b0:b1])
+                # The call's variant and strides, the chunk's addresses.
+                at = (gather_operands(*chunk[:3]) if kind == KIND_GATHER else launch_operands(*chunk))[2]
+                transport.launch((*operands[:2], at), *chunk, b1 - b0, tag, channel, base_e, meta, b0)
         except BaseException as exc:
             self._host_poison.setdefault(channel, f"a call failed between its launches ({type(exc).__name__})")
             raise

@@ -88,8 +88,10 @@ def with_mask_mode(meta: Metadata, mask_mode: int) -> Metadata:
 
 
 def launch_operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: Optional[torch.Tensor]) -> tuple:
-    """A combine's operands ``(variant, strides)``: the variant and the eight stride arguments in
-    ``STRIDES`` order, each tensor's strides read once.
+    """A combine's operands ``(variant, strides, addresses)``: the variant, the eight stride
+    arguments in ``STRIDES`` order and the four tensors' addresses (0 for a missing ``y_lse``), each
+    tensor's strides and address read once. A launch passes these addresses: operands belong to
+    the very tensors launched (a chunk of a call has its own addresses, and the call's variant).
 
     The variant is everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer
     alignments. A pointer counts as aligned only if every token's row is, so that the chunks
@@ -102,21 +104,45 @@ def launch_operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse:
     if po_d != 1 or y_d != 1:
         unit_last_stride("partial_out", po, po_d)
         unit_last_stride("out", y, y_d)
-    po_ok = po_b % 8 == 0 and po.data_ptr() % 16 == 0
-    y_ok = y_b % 8 == 0 and y.data_ptr() % 16 == 0
+    addresses = (po.data_ptr(), lse.data_ptr(), y.data_ptr(), y_lse.data_ptr() if y_lse is not None else 0)
+    po_ok = po_b % 8 == 0 and addresses[0] % 16 == 0
+    y_ok = y_b % 8 == 0 and addresses[2] % 16 == 0
     if po_ok and y_ok and po_h % 8 == 0 and y_h % 8 == 0:
-        return (lse.dtype, True, True, True), (po_b // 8, po_h // 8, l_b, l_h, y_b // 8, y_h // 8, yl_b, yl_h)
-    return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h)
+        return ((lse.dtype, True, True, True), (po_b // 8, po_h // 8, l_b, l_h, y_b // 8, y_h // 8, yl_b, yl_h),
+                addresses)
+    return (lse.dtype, False, po_ok, y_ok), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h), addresses
 
 
-def gather_operands(q16: torch.Tensor, y16: torch.Tensor) -> tuple:
-    """The gather's variant and stride arguments, as ``launch_operands`` (on the 16-bit word views)."""
+def outputs_apart(geometry: tuple, B: int, operands: tuple) -> bool:
+    """Whether a combine's outputs lie wholly outside its inputs' address ranges (each tensor's
+    first to last element, from ``launch_operands``' strides and addresses and the checked shapes
+    of ``geometry``, the communicator's (H/N, H, D, device, dtype)): then no element is shared,
+    and the exact check (``dcp.checks.refuse_overlap``) need not run."""
+    if B == 0:
+        return True
+    hn, h, d, _, dtype = geometry
+    (lse_dtype, aligned, _, _), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h), (po, lse, y, y_lse) = operands
+    k, size = 8 if aligned else 1, dtype.itemsize  # (aligned row strides were divided by 8)
+    po_end = po + (k * ((B - 1) * po_b + (h - 1) * po_h) + d) * size
+    lse_end = lse + ((B - 1) * l_b + (h - 1) * l_h + 1) * lse_dtype.itemsize
+    y_end = y + (k * ((B - 1) * y_b + (hn - 1) * y_h) + d) * size
+    apart = (y_end <= po or po_end <= y) and (y_end <= lse or lse_end <= y)
+    if y_lse and apart:  # (float32)
+        yl_end = y_lse + ((B - 1) * yl_b + (hn - 1) * yl_h + 1) * 4
+        apart = all(yl_end <= a or b <= y_lse for a, b in ((po, po_end), (lse, lse_end), (y, y_end)))
+    return apart
+
+
+def gather_operands(q16: torch.Tensor, lse: torch.Tensor, y16: torch.Tensor) -> tuple:
+    """The gather's variant, stride arguments and addresses, as ``launch_operands`` (on the 16-bit
+    word views; ``lse``: the unused word its launches pass)."""
     (q_b, q_h, _), (y_b, y_h, _) = q16.stride(), y16.stride()
-    q_ok = q_b % 8 == 0 and q16.data_ptr() % 16 == 0
-    y_ok = y_b % 8 == 0 and y16.data_ptr() % 16 == 0
+    addresses = (q16.data_ptr(), lse.data_ptr(), y16.data_ptr(), 0)
+    q_ok = q_b % 8 == 0 and addresses[0] % 16 == 0
+    y_ok = y_b % 8 == 0 and addresses[2] % 16 == 0
     if q_ok and y_ok and q_h % 8 == 0 and y_h % 8 == 0:
-        return (KIND_GATHER, True, True, True), (q_b // 8, q_h // 8, 0, 0, y_b // 8, y_h // 8, 0, 0)
-    return (KIND_GATHER, False, q_ok, y_ok), (q_b, q_h, 0, 0, y_b, y_h, 0, 0)
+        return (KIND_GATHER, True, True, True), (q_b // 8, q_h // 8, 0, 0, y_b // 8, y_h // 8, 0, 0), addresses
+    return (KIND_GATHER, False, q_ok, y_ok), (q_b, q_h, 0, 0, y_b, y_h, 0, 0), addresses
 
 
 def compile_options(warps: int, pdl: bool = False) -> dict:
@@ -142,9 +168,16 @@ def fused_variants(layouts: dict, region: ChannelRegion, gpu_scope: bool, trace:
     return variants
 
 
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook is set (a chain of hooks, or one callable in older versions)."""
-    return bool(getattr(hook, "calls", hook))
+def pointers(*tensors: torch.Tensor) -> tuple:
+    """Pointer arguments as ``Launcher`` takes them: the tensors (for Triton's own launch paths)
+    and their addresses (for the loaded variant's entry point)."""
+    return tensors, tuple(map(_data_ptr, tensors))
+
+
+def _hooked() -> bool:
+    """Whether a Triton launch hook is set (each a chain of hooks, or one callable in older versions)."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 class Launcher:
@@ -169,25 +202,25 @@ class Launcher:
         # variant -> (compiled kernel, launch entry, its arguments before the kernel's, constexpr values)
         self.compiled: dict = {}
 
-    def bound(self, variant: tuple, grid: int, tensors: tuple, *scalars) -> Optional[functools.partial]:
-        """A launch of a loaded variant through the launcher's entry point, its arguments (stream and
-        pointers too) read now: the floor of a launch from Python, for ``bench.host_time``. None
-        where the variant is not loaded (never on CPU tensors: the interpreter runs them)."""
+    def bound(self, variant: tuple, grid: int, tensors: tuple, addresses: tuple, *scalars) -> Optional[functools.partial]:
+        """A launch of a loaded variant through the launcher's entry point, its arguments (stream
+        too) read now: the floor of a launch from Python, for ``bench.host_time``. None where the
+        variant is not loaded (never on CPU tensors: the interpreter runs them)."""
         hit = self.compiled.get(variant)
         if hit is None:
             return None
         compiled, entry, head, consts = hit
         return functools.partial(entry, grid, 1, 1, self.raw_stream(self.index), compiled.function, *head,
-                                 *map(_data_ptr, tensors), *scalars, *consts)
+                                 *addresses, *scalars, *consts)
 
-    def __call__(self, variant: tuple, grid: int, tensors: tuple, *scalars) -> None:
-        """``tensors``: the pointer arguments, first in the kernel's order; ``scalars``: the rest."""
+    def __call__(self, variant: tuple, grid: int, tensors: tuple, addresses: tuple, *scalars) -> None:
+        """``tensors``: the pointer arguments, first in the kernel's order, and ``addresses`` theirs
+        (read by the caller: ``pointers``, ``launch_operands``); ``scalars``: the rest."""
         hit = self.compiled.get(variant)  # (never on CPU)
         if hit is not None:
             compiled, entry, head, consts = hit
-            if not (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
-                entry(grid, 1, 1, self.raw_stream(self.index), compiled.function, *head,
-                      *map(_data_ptr, tensors), *scalars, *consts)
+            if not _hooked():
+                entry(grid, 1, 1, self.raw_stream(self.index), compiled.function, *head, *addresses, *scalars, *consts)
             else:
                 compiled[(grid, 1, 1)](*tensors, *scalars, *consts)
             return

@@ -35,7 +35,7 @@ class KernelLoader:
         for t in LSE_DTYPES:
             lse = torch.empty((1, c.num_heads), dtype=t, device=dev)
             jobs.append((KIND_COMBINE, (po, lse, y), launch_operands(po, lse, y, None)))
-        return jobs + [(KIND_GATHER, (q16, self.scratch, y16), gather_operands(q16, y16))]
+        return jobs + [(KIND_GATHER, (q16, self.scratch, y16), gather_operands(q16, self.scratch, y16))]
 
     def compile_shared(self, group: dist.ProcessGroup) -> None:
         """Collective: compile the constructor's variants once per host, not once per rank.
@@ -71,7 +71,7 @@ class KernelLoader:
             y = q_out if q_out is not None else torch.empty((1, c.num_heads, c.query_dim), dtype=c.query_dtype,
                                                           device=c.device)
             q16, y16 = q_local.view(torch.int16), y.view(torch.int16)
-            self.load(KIND_GATHER, (q16, self.scratch, y16), gather_operands(q16, y16))
+            self.load(KIND_GATHER, (q16, self.scratch, y16), gather_operands(q16, self.scratch, y16))
         if partial_out is None and q_local is None:
             for kind, tensors, operands in self._examples():
                 self.load(kind, tensors, operands)

@@ -32,7 +32,7 @@ def measure_plan(group: dist.ProcessGroup, config: Config, transports: dict, lef
                             device=dev)
         y16 = torch.empty((mt, config.num_heads, config.query_words), dtype=torch.int16, device=dev)
         calls = {KIND_COMBINE: (launch_operands(po, lse, y, None), po, lse, y),
-                 KIND_GATHER: (gather_operands(q16, y16), q16, lse[:1, :1], y16)}
+                 KIND_GATHER: (gather_operands(q16, lse[:1, :1], y16), q16, lse[:1, :1], y16)}
         calls[auto_plan.COMBINE_META] = calls[KIND_COMBINE]
         # A decode batch's metadata (a token per sequence, none empty) for the layers timed with it.
         ones, starts = torch.ones(mt, dtype=torch.int32, device=dev), torch.arange(mt + 1, dtype=torch.int32, device=dev)
@@ -45,7 +45,7 @@ def measure_plan(group: dist.ProcessGroup, config: Config, transports: dict, lef
 
     def runner(transport):
         def run(kind: int, b: int) -> None:
-            operands, a, l, out = calls[kind]
+            operands, a, l, out = calls[kind]  # (also the operands of a[:b], l[:b], out[:b]: the same addresses)
             meta = metas[b] if kind == auto_plan.COMBINE_META else None
             kind = KIND_COMBINE if meta is not None else kind
             try:

@@ -20,7 +20,8 @@ from dcp.constants import (CTL_STATUS, CTL_WORDS, EPOCH_STRIDE, KIND_COMBINE, KI
                            TAG_KIND_SHIFT, TAG_LOAD, TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS)
 from dcp.errors import DcpError, DcpPeerLostError
 from dcp.kernels import build_kernels
-from dcp.launch import LOG2E, Launcher, Metadata, compile_options, fused_variants, launch_operands, no_metadata
+from dcp.launch import (LOG2E, Launcher, Metadata, compile_options, fused_variants, launch_operands, no_metadata,
+                        pointers)
 from dcp.protocol import SMALL_CALL_WARPS, ChannelRegion, status_error, status_words
 from dcp.rendezvous import all_gather
 
@@ -35,7 +36,7 @@ class Transport(Protocol):
     provider: str
     tilings: tuple
 
-    def launch(self, *, operands: tuple, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
+    def launch(self, operands: tuple, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
                y_lse: Optional[torch.Tensor], n_tokens: int, tag: int, channel: int, base_e: bool,
                meta: Optional[Metadata] = None, tok0: int = 0) -> None:
         """One launch of a call: ``operands`` (``dcp.launch.launch_operands``' or
@@ -90,6 +91,7 @@ class TritonTransport:
         self.rank = dist.get_rank(group)
         self.no_meta = no_metadata(device)
         self.scratch = torch.empty(1, dtype=torch.float32, device=device)  # the LSE output of calls without one
+        self.scratch_at = self.scratch.data_ptr()
         kernel = build_kernels(interpret=device.type == "cpu").fused
         # (kind, warps) -> its launcher; by kind, by call size (index B - 1 for B = 1 to max_tokens):
         # its tiling's launcher and its grid, at most ``max_programs`` (all of them resident at once)
@@ -119,6 +121,8 @@ class TritonTransport:
                 words += [self.status_addr + 4 * STATUS_WORDS * c, int(config.timeout_s * 1e9),
                           self.traces[c].data_ptr() if self.traces else 0]
                 self.ctl.append(torch.tensor(words[:CTL_WORDS], dtype=torch.int64, device=device))
+            # Per channel, the pointer arguments after a call's own tensors where it has no metadata.
+            self.tails = [pointers(ctl, *self.no_meta[:2], self.no_meta.tmask) for ctl in self.ctl]
         except BaseException:
             self.close()
             raise
@@ -132,17 +136,22 @@ class TritonTransport:
             self._status_keep = ctypes.create_string_buffer(nbytes)
             self.status_addr = ctypes.addressof(self._status_keep)
 
-    def launch(self, *, operands: tuple, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
+    def launch(self, operands: tuple, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
                y_lse: Optional[torch.Tensor], n_tokens: int, tag: int, channel: int, base_e: bool,
                meta: Optional[Metadata] = None, tok0: int = 0, via: Optional[tuple] = None) -> None:
         """``Transport.launch``; the tag picks the collective (announcements, which move no data,
         take the combine's). ``via``: (launcher, grid) of one tiling, for loading it."""
         fused, grid = via or self.by_size[tag >> TAG_KIND_SHIFT if tag >= 0 else KIND_COMBINE][max(n_tokens, 1) - 1]
-        sl, qsl, num_seqs, s_sl, s_qsl, tmask, mask_mode = meta or self.no_meta
+        if meta is None:  # (the channel's pointers and no_metadata's, read once)
+            (tail, tail_at), (_, _, num_seqs, s_sl, s_qsl, _, mask_mode) = self.tails[channel], self.no_meta
+        else:
+            sl, qsl, num_seqs, s_sl, s_qsl, tmask, mask_mode = meta
+            tail, tail_at = pointers(self.ctl[channel], sl, qsl, tmask)
+        po_at, lse_at, y_at, y_lse_at = operands[2]
         # dcp.launch.FUSED_ARGS
-        fused(operands[0], grid, (po, lse, y, self.scratch if y_lse is None else y_lse, self.ctl[channel], sl, qsl,
-                                  tmask), n_tokens, tag, self.rank, *operands[1], int(y_lse is not None),
-              LOG2E if base_e else 1.0, tok0, num_seqs, s_sl, s_qsl, mask_mode)
+        fused(operands[0], grid, (po, lse, y, self.scratch if y_lse is None else y_lse, *tail),
+              (po_at, lse_at, y_at, y_lse_at or self.scratch_at, *tail_at), n_tokens, tag, self.rank, *operands[1],
+              int(y_lse is not None), LOG2E if base_e else 1.0, tok0, num_seqs, s_sl, s_qsl, mask_mode)
 
     def announce(self, channel: int, tag: int) -> None:
         self.launch(**self.idle, tag=tag, channel=channel)
@@ -233,7 +242,7 @@ class NcclTransport:
         except Exception as exc:
             raise DcpPeerLostError(f"NCCL path setup: the group's collectives failed ({type(exc).__name__}: {exc})")
 
-    def launch(self, *, operands: tuple, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
+    def launch(self, operands: tuple, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
                y_lse: Optional[torch.Tensor], n_tokens: int, tag: int, channel: int, base_e: bool,
                meta: Optional[Metadata] = None, tok0: int = 0) -> None:
         """``tag`` is not exchanged: this path pairs calls by the group's collective order."""
@@ -243,14 +252,14 @@ class NcclTransport:
         grid, used = self.by_size[n_tokens]
         send, recv = self.send[channel][:used], self.recv[channel][:used]
         sl, qsl, num_seqs, s_sl, s_qsl, tmask, mask_mode = meta or self.no_meta
-        variant, strides = operands
+        variant, strides, _ = operands
         # dcp.launch.PACK_ARGS, COMBINE_ARGS
-        self.pack(variant, grid, (po, lse, send, sl, qsl, tmask), n_tokens, *strides[:4], tok0, num_seqs, s_sl, s_qsl,
-                  mask_mode)
+        self.pack(variant, grid, *pointers(po, lse, send, sl, qsl, tmask), n_tokens, *strides[:4], tok0, num_seqs,
+                  s_sl, s_qsl, mask_mode)
         if n_tokens:
             dist.all_to_all_single(recv, send, group=self.group)
-        self.combine(variant, grid, (recv, y, self.scratch if y_lse is None else y_lse), n_tokens, *strides[4:],
-                     int(y_lse is not None), LOG2E if base_e else 1.0)
+        self.combine(variant, grid, *pointers(recv, y, self.scratch if y_lse is None else y_lse), n_tokens,
+                     *strides[4:], int(y_lse is not None), LOG2E if base_e else 1.0)
 
     def announce(self, channel: int, tag: int) -> None:
         pass  # calls pair by the group's order: nothing to announce

@@ -389,6 +389,49 @@ def count_launches(state, key: str, B: int) -> list:
     return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
 
 
+def entry_pointers(state, key: str) -> list:
+    """The pointer arguments a loaded variant's entry point gets, against the tensors each launch
+    should read: a combine (with ``out_lse``), one with batch metadata, one of three chunks, and a
+    query all-gather. On the CPU nothing is compiled, so each variant's entry is a fake that
+    records its arguments; no kernel runs on any rank, so the ranks stay in step. Returns per
+    launch (recorded, expected) pointer tuples."""
+    import types
+
+    from dcp.constants import KIND_COMBINE
+
+    comm: DcpAllToAll = state[key]
+    t = comm._transport
+    seen = []
+    for fused in t.fused.values():
+        fused.raw_stream = lambda index: 0
+        for variant in ((torch.float32, True, True, True), (KIND_GATHER, True, True, True)):
+            fused.compiled[variant] = (types.SimpleNamespace(function=0), lambda *args: seen.append(args[9:17]),
+                                       (0, 0, None, None), ())
+    mt, n, hn, d = comm.max_tokens, comm.num_heads, comm.heads_per_rank, comm.head_dim
+    at = torch.Tensor.data_ptr
+    expected = []
+    B = mt - 1
+    po, pl = torch.randn(B, n, d).to(comm.dtype), torch.randn(B, n)
+    y, y_lse = torch.empty(B, hn, d, dtype=comm.dtype), torch.empty(B, hn)
+    comm.lse_reduce(po, pl, return_lse=True, out=y, out_lse=y_lse)
+    ctl, (sl0, qsl0, _, _, _, tmask, _) = t.ctl[0], t.no_meta
+    expected.append((po, pl, y, y_lse, ctl, sl0, qsl0, tmask))
+    sl, qsl = torch.ones(B, dtype=torch.int32), torch.arange(B + 1, dtype=torch.int32)
+    comm.lse_reduce(po, pl, out=y, seq_lens=sl, query_start_loc=qsl)
+    expected.append((po, pl, y, t.scratch, ctl, sl, qsl, comm._masks[0]))
+    B = 2 * mt + 1  # three launches
+    po, pl, y = torch.randn(B, n, d).to(comm.dtype), torch.randn(B, n), torch.empty(B, hn, d, dtype=comm.dtype)
+    comm.lse_reduce(po, pl, out=y)
+    for b0 in range(0, B, mt):
+        expected.append((po[b0:], pl[b0:], y[b0:], t.scratch, ctl, sl0, qsl0, tmask))
+    q = torch.randn(mt, hn, comm.query_dim).to(comm.query_dtype)
+    qy = torch.empty(mt, n, comm.query_dim, dtype=comm.query_dtype)
+    comm.all_gather_heads(q, out=qy)
+    expected.append((q, comm._loader.scratch, qy, t.scratch, ctl, sl0, qsl0, tmask))
+    assert len(seen) == len(expected) == 6, (len(seen), len(expected))
+    return [(tuple(got), tuple(map(at, want))) for got, want in zip(seen, expected)]
+
+
 def _fill(dst_out, dst_lse, outs, lses, rank):
     dst_out.copy_(outs[rank])
     dst_lse.copy_(lses[rank])

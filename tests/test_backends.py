@@ -67,15 +67,30 @@ def test_a_bound_launch_passes_what_a_call_passes():
     import types
 
     from dcp.kernels import build_kernels
-    from dcp.launch import Launcher
+    from dcp.launch import Launcher, pointers
 
     launcher = Launcher(build_kernels(True).fused, torch.device("cpu"), {}, {"num_warps": 4})
     a, b = torch.randn(3), torch.randn(5)
-    assert launcher.bound(("v", True), 4, (a, b), 7, 8) is None
+    assert launcher.bound(("v", True), 4, *pointers(a, b), 7, 8) is None
     seen = []
     launcher.raw_stream = lambda index: 11
     launcher.compiled[("v", True)] = (types.SimpleNamespace(function=22), lambda *args: seen.append(args),
                                       (1, 2, None, None), (33, 44))
-    launcher(("v", True), 4, (a, b), 7, 8)
-    launcher.bound(("v", True), 4, (a, b), 7, 8)()
+    launcher(("v", True), 4, *pointers(a, b), 7, 8)
+    launcher.bound(("v", True), 4, *pointers(a, b), 7, 8)()
     assert seen[0] == seen[1] == (4, 1, 1, 11, 22, 1, 2, None, None, a.data_ptr(), b.data_ptr(), 7, 8, 33, 44)
+
+
+def test_the_entry_point_gets_each_launch_s_own_pointers(worlds):
+    """A call passes its addresses as read by its checks (``launch_operands``), and the transport
+    those it fixed at construction: every launch's pointer arguments must still be the tensors it
+    runs on, a chunk's own included (a stale address would write another call's rows)."""
+    w = worlds(2)
+    w.run(rc.make_comm, "entry", max_tokens=4, num_heads=4, head_dim=16, backend="triton", query_dim=24)
+    try:
+        res = w.run(rc.entry_pointers, "entry")
+    finally:
+        w.run(rc.close_comm, "entry")
+    for per_rank in res:
+        for got, want in per_rank:
+            assert got == want

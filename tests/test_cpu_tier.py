@@ -358,3 +358,53 @@ def test_a_change_to_the_wire_layout_raises_the_wire_revision():
         f"the wire layout changed ({_wire_layout()!r}) but WIRE_REVISION is still {WIRE_REVISION}: raise it in "
         "dcp/constants.py and record the new layout in WIRE_LAYOUTS")
     assert len(set(WIRE_LAYOUTS.values())) == len(WIRE_LAYOUTS), "two revisions with one layout"
+
+
+def _bytes(t: torch.Tensor) -> set:
+    """Every byte address a tensor's elements occupy."""
+    idx = torch.zeros(t.shape, dtype=torch.int64)
+    for dim, (n, st) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[dim] = n
+        idx = idx + (torch.arange(n) * st).view(shape)
+    first = t.data_ptr() + idx.flatten() * t.element_size()
+    return {a + k for a in first.tolist() for k in range(t.element_size())}
+
+
+def test_outputs_apart_passes_only_outputs_that_share_no_byte():
+    """The call's quick overlap test (``outputs_apart``; where it fails, the exact check runs): on
+    random views of one allocation (bf16 rows and fp32 LSEs, offsets, token and head strides, with
+    and without ``out_lse``) it may say "apart" only where no output byte is an input's or the other
+    output's, and it must for tensors of their own."""
+    from dcp.launch import launch_operands, outputs_apart
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    hn, h, d = 2, 4, 8
+    geometry = (hn, h, d, torch.device("cpu"), torch.bfloat16)
+    memory = torch.empty(4096, dtype=torch.uint8).untyped_storage()
+
+    def view(dtype, B, heads, width=None):
+        pad = int(torch.randint(0, 3, (1,), generator=g)) * 8
+        s_h = (width or 1) + pad if width else 1 + pad // 8
+        s_b = heads * s_h + int(torch.randint(0, 2, (1,), generator=g)) * 8
+        off = int(torch.randint(0, 1200 // dtype.itemsize, (1,), generator=g))
+        shape, strides = ((B, heads, width), (s_b, s_h, 1)) if width else ((B, heads), (s_b, s_h))
+        return torch.empty(0, dtype=dtype).set_(memory, off, shape, strides)
+
+    said_apart = overlapping = 0
+    for trial in range(600):
+        B = int(torch.randint(0, 4, (1,), generator=g))
+        po, y = view(torch.bfloat16, B, h, d), view(torch.bfloat16, B, hn, d)
+        lse = view(torch.float32, B, h)
+        y_lse = view(torch.float32, B, hn) if trial % 2 else None
+        apart = outputs_apart(geometry, B, launch_operands(po, lse, y, y_lse))
+        ins, outs = _bytes(po) | _bytes(lse), [_bytes(y)] + ([_bytes(y_lse)] if y_lse is not None else [])
+        shared = any(o & ins for o in outs) or (len(outs) == 2 and bool(outs[0] & outs[1]))
+        assert not (apart and shared), (trial, B, [(t.storage_offset(), t.stride()) for t in (po, lse, y, y_lse)
+                                                   if t is not None])
+        said_apart += apart
+        overlapping += shared
+    assert said_apart > 100 and overlapping > 100, (said_apart, overlapping)  # both cases were drawn
+    po, lse = torch.randn(3, h, d).to(torch.bfloat16), torch.randn(3, h)
+    y, y_lse = torch.empty(3, hn, d, dtype=torch.bfloat16), torch.empty(3, hn)
+    assert outputs_apart(geometry, 3, launch_operands(po, lse, y, y_lse))
