@@ -149,9 +149,11 @@ class TritonTransport:
             tail, tail_at = pointers(self.ctl[channel], sl, qsl, tmask)
         po_at, lse_at, y_at, y_lse_at = operands[2]
         # dcp.launch.FUSED_ARGS
-        fused(operands[0], grid, (po, lse, y, self.scratch if y_lse is None else y_lse, *tail),
-              (po_at, lse_at, y_at, y_lse_at or self.scratch_at, *tail_at), n_tokens, tag, self.rank, *operands[1],
-              int(y_lse is not None), LOG2E if base_e else 1.0, tok0, num_seqs, s_sl, s_qsl, mask_mode)
+        if y_lse is None:
+            y_lse, y_lse_at = self.scratch, self.scratch_at
+        fused(operands[0], grid, (po, lse, y, y_lse, *tail), (po_at, lse_at, y_at, y_lse_at, *tail_at), n_tokens, tag,
+              self.rank, *operands[1], int(y_lse is not self.scratch), LOG2E if base_e else 1.0, tok0, num_seqs, s_sl,
+              s_qsl, mask_mode)
 
     def announce(self, channel: int, tag: int) -> None:
         self.launch(**self.idle, tag=tag, channel=channel)
