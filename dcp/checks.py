@@ -151,6 +151,34 @@ def refuse_overlap(names: tuple, tensors: tuple, n_inputs: int) -> None:
                                  "must not share, or interleave with, the memory of inputs or other outputs)")
 
 
+def rows_disjoint(n0: int, s0: int, n1: int, s1: int, width: int) -> bool:
+    """A quick test that an output's rows (``width`` contiguous elements at ``i*s0 + j*s1``, for
+    i < n0, j < n1) share no element: True where each dimension's stride clears everything inside
+    the one of smaller stride; False where they may share one (``refuse_self_overlap`` decides)."""
+    if n0 > 1 and n1 > 1:
+        if s1 < s0:
+            n0, s0, n1, s1 = n1, s1, n0, s0
+        return s0 >= width and s1 >= (n0 - 1) * s0 + width
+    return (n0 <= 1 or s0 >= width) and (n1 <= 1 or s1 >= width)
+
+
+def refuse_self_overlap(name: str, t: torch.Tensor) -> None:
+    """Raise where two elements of an output share memory (an expanded or overlapping view: tokens
+    would write one row, and each would read back another's): the exact test, on the sorted starts
+    of its rows (a contiguous last dimension is a row; otherwise each element)."""
+    if t.numel() <= 1:
+        return
+    dims = list(zip(t.shape, t.stride()))
+    width = dims.pop()[0] if dims[-1][1] == 1 else 1
+    starts = torch.zeros(1, dtype=torch.int64)
+    for n, st in dims:
+        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * st).flatten()
+    starts = starts.sort().values
+    if bool((starts[1:] - starts[:-1] < width).any()):
+        raise ValueError(f"{name}: expected memory of its own, but its elements overlap each other (strides "
+                         f"{tuple(t.stride())} for shape {_shape(t)}: several tokens or heads would write one place)")
+
+
 def combine_batch(geometry: tuple, po, lse, out, out_lse) -> int:
     """A combine's B, or raise naming the argument that does not fit (``geometry``: the
     communicator's (H/N, H, D, device, dtype)).

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dcp import cudart
-from dcp.checks import as_words, combine_batch, gather_batch, refuse_overlap
+from dcp.checks import as_words, combine_batch, gather_batch, refuse_overlap, refuse_self_overlap, rows_disjoint
 from dcp.config import agree_config, resolve
 from dcp.constants import KIND_COMBINE, KIND_GATHER, MASK_NONE, MASK_READ, MASK_WRITE, TAG_ABORT, TAG_POISONED
 from dcp.errors import DcpError
@@ -202,8 +202,8 @@ class DcpAllToAll:
         rows), and where every rank is empty the result is 0 with LSE -inf.
 
         Returns ``out`` ``[B, H/N, D]`` (allocated unless given) and, with ``return_lse``, the
-        combined LSE ``[B, H/N]`` fp32 in the input's base (``out_lse`` if given). ``out`` must not
-        overlap the inputs. ``check`` (default: the constructor's) synchronizes and raises a
+        combined LSE ``[B, H/N]`` fp32 in the input's base (``out_lse`` if given). Outputs must not
+        overlap the inputs, each other or themselves. ``check`` (default: the constructor's) synchronizes and raises a
         recorded timeout or mismatch; ``channel`` picks the channel (default 0).
 
         ``seq_lens`` [S] (this rank's KV length per sequence) and ``query_start_loc`` [S + 1]
@@ -238,8 +238,13 @@ class DcpAllToAll:
                     y_lse = out_lse if out_lse is not None else torch.empty(
                         (B, self.heads_per_rank), dtype=torch.float32, device=self.device)
                 operands = launch_operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
-                if (out is not None or out_lse is not None) and not outputs_apart(self._geometry, B, operands):
+                # (an out_lse that is not written is checked too, as every output is)
+                if (out is not None or out_lse is not None) and (out_lse is not y_lse
+                                                                 or not outputs_apart(self._geometry, B, operands)):
                     refuse_overlap(_COMBINE_NAMES, (partial_out, partial_lse, out, out_lse), 2)
+                    for name, t in (("out", out), ("out_lse", out_lse)):
+                        if t is not None:
+                            refuse_self_overlap(name, t)
                 if operands[0] not in self._loader.ready:
                     self._loader.load(KIND_COMBINE, (partial_out, partial_lse, y), operands)
             except BaseException:
@@ -293,9 +298,12 @@ class DcpAllToAll:
                 B = gather_batch(self._query_geometry, q_local, out)
                 y = out if out is not None else torch.empty((B, self.num_heads, self.query_dim),
                                                             dtype=self.query_dtype, device=self.device)
+                q16, y16 = as_words("q_local", q_local), as_words("out", y)
                 if out is not None:
                     refuse_overlap(_GATHER_NAMES, (q_local, out), 1)
-                q16, y16 = as_words("q_local", q_local), as_words("out", y)
+                    s_b, s_h, _ = y16.stride()
+                    if not rows_disjoint(B, s_b, self.num_heads, s_h, self.config.query_words):
+                        refuse_self_overlap("out", out)
                 operands = gather_operands(q16, self._loader.scratch, y16)
                 if operands[0] not in self._loader.ready:
                     self._loader.load(KIND_GATHER, (q16, self._loader.scratch, y16), operands)

@@ -1,7 +1,8 @@
 """How the kernels are launched: the order of each kernel's arguments, the operands read from a
-call's tensors (``launch_operands``, ``gather_operands``: the variant Triton specializes on and the
-stride arguments), the batch metadata's one shape (``Metadata``), Triton's options per tiling, and
-``Launcher``, which launches a loaded variant without Triton's per-launch overhead.
+call's tensors (``launch_operands``, ``gather_operands``: the variant Triton specializes on, the
+stride arguments and the addresses; ``outputs_apart``, the quick overlap test on them), the batch
+metadata's one shape (``Metadata``), Triton's options per tiling, and ``Launcher``, which launches a
+loaded variant without Triton's per-launch overhead.
 
 The argument order of each kernel is written here once (``FUSED_ARGS``, ``PACK_ARGS``,
 ``COMBINE_ARGS``; a test checks them against the kernels' signatures); each transport launches a
@@ -16,7 +17,7 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-from dcp.checks import META_DTYPES, unit_last_stride
+from dcp.checks import META_DTYPES, rows_disjoint, unit_last_stride
 from dcp.constants import KIND_GATHER, MASK_NONE
 from dcp.errors import DcpError
 from dcp.protocol import ChannelRegion
@@ -90,8 +91,9 @@ def with_mask_mode(meta: Metadata, mask_mode: int) -> Metadata:
 def launch_operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse: Optional[torch.Tensor]) -> tuple:
     """A combine's operands ``(variant, strides, addresses)``: the variant, the eight stride
     arguments in ``STRIDES`` order and the four tensors' addresses (0 for a missing ``y_lse``), each
-    tensor's strides and address read once. A launch passes these addresses: operands belong to
-    the very tensors launched (a chunk of a call has its own addresses, and the call's variant).
+    tensor's strides and address read once. A launch passes these addresses for the tensors it
+    launches (``y_lse``'s only where it writes one), so operands must be those tensors' (a chunk of a
+    call has its own addresses, and the call's variant).
 
     The variant is everything Triton specializes a launch on: LSE dtype, 16-byte rows, pointer
     alignments. A pointer counts as aligned only if every token's row is, so that the chunks
@@ -114,22 +116,27 @@ def launch_operands(po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, y_lse:
 
 
 def outputs_apart(geometry: tuple, B: int, operands: tuple) -> bool:
-    """Whether a combine's outputs lie wholly outside its inputs' address ranges (each tensor's
-    first to last element, from ``launch_operands``' strides and addresses and the checked shapes
-    of ``geometry``, the communicator's (H/N, H, D, device, dtype)): then no element is shared,
-    and the exact check (``dcp.checks.refuse_overlap``) need not run."""
+    """A quick test that a combine's outputs share no element with its inputs, each other or
+    themselves: each output's rows clear each other (``dcp.checks.rows_disjoint``), and its address
+    range (first to last element) misses the others' (from ``launch_operands``' strides and
+    addresses and the checked shapes of ``geometry``, the communicator's (H/N, H, D, device,
+    dtype)). False where they may share one: the exact checks (``dcp.checks.refuse_overlap``,
+    ``refuse_self_overlap``) then decide."""
     if B == 0:
         return True
     hn, h, d, _, dtype = geometry
     (lse_dtype, aligned, _, _), (po_b, po_h, l_b, l_h, y_b, y_h, yl_b, yl_h), (po, lse, y, y_lse) = operands
-    k, size = 8 if aligned else 1, dtype.itemsize  # (aligned row strides were divided by 8)
-    po_end = po + (k * ((B - 1) * po_b + (h - 1) * po_h) + d) * size
+    if aligned:  # (aligned row strides were divided by 8)
+        po_b, po_h, y_b, y_h = 8 * po_b, 8 * po_h, 8 * y_b, 8 * y_h
+    size = dtype.itemsize
+    po_end = po + ((B - 1) * po_b + (h - 1) * po_h + d) * size
     lse_end = lse + ((B - 1) * l_b + (h - 1) * l_h + 1) * lse_dtype.itemsize
-    y_end = y + (k * ((B - 1) * y_b + (hn - 1) * y_h) + d) * size
-    apart = (y_end <= po or po_end <= y) and (y_end <= lse or lse_end <= y)
+    y_end = y + ((B - 1) * y_b + (hn - 1) * y_h + d) * size
+    apart = (y_end <= po or po_end <= y) and (y_end <= lse or lse_end <= y) and rows_disjoint(B, y_b, hn, y_h, d)
     if y_lse and apart:  # (float32)
         yl_end = y_lse + ((B - 1) * yl_b + (hn - 1) * yl_h + 1) * 4
-        apart = all(yl_end <= a or b <= y_lse for a, b in ((po, po_end), (lse, lse_end), (y, y_end)))
+        apart = rows_disjoint(B, yl_b, hn, yl_h, 1) and all(
+            yl_end <= a or b <= y_lse for a, b in ((po, po_end), (lse, lse_end), (y, y_end)))
     return apart
 
 

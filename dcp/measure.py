@@ -45,7 +45,7 @@ def measure_plan(group: dist.ProcessGroup, config: Config, transports: dict, lef
 
     def runner(transport):
         def run(kind: int, b: int) -> None:
-            operands, a, l, out = calls[kind]  # (also the operands of a[:b], l[:b], out[:b]: the same addresses)
+            operands, a, l, out = calls[kind]  # (also those of the [:b] slices launched: the same addresses)
             meta = metas[b] if kind == auto_plan.COMBINE_META else None
             kind = KIND_COMBINE if meta is not None else kind
             try:

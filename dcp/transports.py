@@ -40,7 +40,8 @@ class Transport(Protocol):
                y_lse: Optional[torch.Tensor], n_tokens: int, tag: int, channel: int, base_e: bool,
                meta: Optional[Metadata] = None, tok0: int = 0) -> None:
         """One launch of a call: ``operands`` (``dcp.launch.launch_operands``' or
-        ``gather_operands``'), this launch's tensors and ``n_tokens``; ``tag`` the call's
+        ``gather_operands``' of this launch's own tensors: their addresses are the ones launched; a
+        chunk of a call has its own), this launch's tensors and ``n_tokens``; ``tag`` the call's
         (``dcp.protocol.call_tag``: the same for every launch of one call); ``y_lse`` None: the LSE is
         not written; ``meta``: the batch metadata, ``tok0`` this launch's first token in the call."""
 

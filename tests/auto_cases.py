@@ -28,7 +28,8 @@ def make_auto(state, key: str, tables=None, fail_on: int = -1, fail: str = "", f
     rank, phases = dist.get_rank(), []
 
     def failing(self, *args, **kw):
-        if self.name == fail and kw["tag"] not in (TAG_ABORT, TAG_POISONED):
+        tag = kw["tag"] if "tag" in kw else args[6]  # (Transport.launch's order)
+        if self.name == fail and tag not in (TAG_ABORT, TAG_POISONED):
             raise RuntimeError("injected failure")
         return real_launch(self, *args, **kw)
 

@@ -123,6 +123,7 @@ def bad_gathers(state, key: str, seed: int) -> list:
         "not_tensor": lambda: comm.all_gather_heads([1, 2]),
         "device": lambda: comm.all_gather_heads(q.to("meta" if dev.type == "cpu" else "cpu")),
         "out_overlaps_q": lambda: comm.all_gather_heads(big[:, H:], out=big[:, :H + hn][:, hn:]),
+        "out_overlaps_itself": lambda: comm.all_gather_heads(q, out=big[:1, :H].expand(2, -1, -1)),
     }
     msgs = []
     for name, call in cases.items():

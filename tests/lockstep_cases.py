@@ -83,6 +83,13 @@ def every_rank_rejects(state, key: str, seed: int) -> float:
     buf[1:].copy_(po)
     # out overlaps the input shifted by one token: refused, on every rank alike
     _raises(lambda: comm.lse_reduce(buf[1:], pl, out=buf[:2, :comm.heads_per_rank]), (ValueError,))
+    # outputs whose tokens would share one row (expanded): refused, whatever else they overlap
+    row = torch.empty((1, comm.heads_per_rank, comm.head_dim), dtype=comm.dtype, device=comm.device)
+    msg = _raises(lambda: comm.lse_reduce(po, pl, out=row.expand(2, -1, -1)), (ValueError,))
+    assert "overlap each other" in msg, msg
+    lse_row = torch.empty((1, comm.heads_per_rank), device=comm.device)
+    msg = _raises(lambda: comm.lse_reduce(po, pl, return_lse=True, out_lse=lse_row.expand(2, -1)), (ValueError,))
+    assert "out_lse" in msg and "overlap each other" in msg, msg
     return _checked_call(comm, seed + 1, 5)
 
 

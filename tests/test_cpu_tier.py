@@ -372,10 +372,11 @@ def _bytes(t: torch.Tensor) -> set:
 
 
 def test_outputs_apart_passes_only_outputs_that_share_no_byte():
-    """The call's quick overlap test (``outputs_apart``; where it fails, the exact check runs): on
-    random views of one allocation (bf16 rows and fp32 LSEs, offsets, token and head strides, with
-    and without ``out_lse``) it may say "apart" only where no output byte is an input's or the other
-    output's, and it must for tensors of their own."""
+    """The call's quick overlap test (``outputs_apart``; where it fails, the exact checks run): on
+    random views of one allocation (bf16 rows and LSEs of each dtype, offsets, token and head strides,
+    some of them too small or 0, with and without ``out_lse``) it may say "apart" only where no output
+    byte is an input's, the other output's or its own other element's, and it must for tensors of
+    their own."""
     from dcp.launch import launch_operands, outputs_apart
 
     g = torch.Generator().manual_seed(fresh_seed())
@@ -383,28 +384,70 @@ def test_outputs_apart_passes_only_outputs_that_share_no_byte():
     geometry = (hn, h, d, torch.device("cpu"), torch.bfloat16)
     memory = torch.empty(4096, dtype=torch.uint8).untyped_storage()
 
+    def draw(n):
+        return int(torch.randint(0, n, (1,), generator=g))
+
+    def pick(usual, rare):  # mostly strides that clear a row, now and then one that does not
+        return (rare if draw(4) == 0 else usual)[draw(2)]
+
     def view(dtype, B, heads, width=None):
-        pad = int(torch.randint(0, 3, (1,), generator=g)) * 8
-        s_h = (width or 1) + pad if width else 1 + pad // 8
-        s_b = heads * s_h + int(torch.randint(0, 2, (1,), generator=g)) * 8
-        off = int(torch.randint(0, 1200 // dtype.itemsize, (1,), generator=g))
+        unit = width or 1
+        s_h = pick((unit, unit + 8), (0, unit // 2))
+        s_b = pick((heads * s_h, heads * s_h + 8), (0, s_h))
+        off = draw(1200 // dtype.itemsize)
+        if width and draw(2):
+            off -= off % 8  # 16-byte aligned rows: the variant whose strides go divided by 8
         shape, strides = ((B, heads, width), (s_b, s_h, 1)) if width else ((B, heads), (s_b, s_h))
         return torch.empty(0, dtype=dtype).set_(memory, off, shape, strides)
 
-    said_apart = overlapping = 0
-    for trial in range(600):
-        B = int(torch.randint(0, 4, (1,), generator=g))
+    def shares(a: set, t: torch.Tensor) -> bool:
+        return len(a) < t.numel() * t.element_size()  # (an element sharing bytes with another)
+
+    seen = {"apart": 0, "shared": 0, "aligned": 0, "self": 0}
+    for trial in range(800):
+        B = draw(4)
         po, y = view(torch.bfloat16, B, h, d), view(torch.bfloat16, B, hn, d)
-        lse = view(torch.float32, B, h)
+        lse = view([torch.float32, torch.bfloat16, torch.float16][trial % 3], B, h)
         y_lse = view(torch.float32, B, hn) if trial % 2 else None
-        apart = outputs_apart(geometry, B, launch_operands(po, lse, y, y_lse))
-        ins, outs = _bytes(po) | _bytes(lse), [_bytes(y)] + ([_bytes(y_lse)] if y_lse is not None else [])
-        shared = any(o & ins for o in outs) or (len(outs) == 2 and bool(outs[0] & outs[1]))
+        operands = launch_operands(po, lse, y, y_lse)
+        apart = outputs_apart(geometry, B, operands)
+        ins, outs = _bytes(po) | _bytes(lse), [(_bytes(t), t) for t in (y, y_lse) if t is not None]
+        self_shared = any(shares(b, t) for b, t in outs)
+        shared = self_shared or any(b & ins for b, _ in outs) or (len(outs) == 2 and bool(outs[0][0] & outs[1][0]))
         assert not (apart and shared), (trial, B, [(t.storage_offset(), t.stride()) for t in (po, lse, y, y_lse)
                                                    if t is not None])
-        said_apart += apart
-        overlapping += shared
-    assert said_apart > 100 and overlapping > 100, (said_apart, overlapping)  # both cases were drawn
+        seen["apart"] += apart
+        seen["shared"] += shared
+        seen["self"] += self_shared
+        seen["aligned"] += operands[0][1]
+    assert min(seen.values()) > 60, seen  # every case was drawn
     po, lse = torch.randn(3, h, d).to(torch.bfloat16), torch.randn(3, h)
     y, y_lse = torch.empty(3, hn, d, dtype=torch.bfloat16), torch.empty(3, hn)
     assert outputs_apart(geometry, 3, launch_operands(po, lse, y, y_lse))
+
+
+def test_the_self_overlap_checks_agree_with_the_bytes():
+    """``rows_disjoint`` (the quick test) says "disjoint" only where no two elements share memory,
+    and ``refuse_self_overlap`` (the exact one) raises exactly where two do, on random strides."""
+    from dcp.checks import refuse_self_overlap, rows_disjoint
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    memory = torch.empty(1 << 14, dtype=torch.float32).untyped_storage()
+    counts = {"disjoint": 0, "overlap": 0, "exact_only": 0}
+    for _ in range(600):
+        n0, n1, width = (int(v) for v in torch.randint(1, 5, (3,), generator=g))
+        s0, s1 = (int(v) for v in torch.randint(0, 3 * width * 4, (2,), generator=g))
+        t = torch.empty(0).set_(memory, 0, (n0, n1, width), (s0, s1, 1))
+        overlap = len(_bytes(t)) < t.numel() * 4
+        quick = rows_disjoint(n0, s0, n1, s1, width)
+        assert not (quick and overlap), (n0, s0, n1, s1, width)
+        try:
+            refuse_self_overlap("out", t)
+            raised = False
+        except ValueError as exc:
+            raised = "overlap each other" in str(exc)
+        assert raised == overlap, (n0, s0, n1, s1, width)
+        counts["disjoint"] += quick
+        counts["overlap"] += overlap
+        counts["exact_only"] += not quick and not overlap
+    assert min(counts.values()) > 30, counts
