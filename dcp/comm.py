@@ -203,8 +203,9 @@ class DcpAllToAll:
 
         Returns ``out`` ``[B, H/N, D]`` (allocated unless given) and, with ``return_lse``, the
         combined LSE ``[B, H/N]`` fp32 in the input's base (``out_lse`` if given). Outputs must not
-        overlap the inputs, each other or themselves. ``check`` (default: the constructor's) synchronizes and raises a
-        recorded timeout or mismatch; ``channel`` picks the channel (default 0).
+        overlap the inputs, each other or themselves. ``check`` (default: the constructor's)
+        synchronizes and raises a recorded timeout or mismatch; ``channel`` picks the channel
+        (default 0).
 
         ``seq_lens`` [S] (this rank's KV length per sequence) and ``query_start_loc`` [S + 1]
         (cumulative query tokens), int32 or int64 on the device, as vLLM passes them: this rank adds

@@ -209,7 +209,8 @@ class Launcher:
         # variant -> (compiled kernel, launch entry, its arguments before the kernel's, constexpr values)
         self.compiled: dict = {}
 
-    def bound(self, variant: tuple, grid: int, tensors: tuple, addresses: tuple, *scalars) -> Optional[functools.partial]:
+    def bound(self, variant: tuple, grid: int, tensors: tuple, addresses: tuple,
+              *scalars) -> Optional[functools.partial]:
         """A launch of a loaded variant through the launcher's entry point, its arguments (stream
         too) read now: the floor of a launch from Python, for ``bench.host_time``. None where the
         variant is not loaded (never on CPU tensors: the interpreter runs them)."""
