@@ -73,9 +73,9 @@ class DcpAllToAll:
 
     Failure: every wait is bounded by ``timeout_s`` (default 10 s on GPUs, 120 s on the CPU; at
     most a day). A call that cannot complete raises ``DcpTimeoutError`` (naming the missing ranks)
-    or ``DcpMismatchError`` (ranks entered the call differently), writes its rows as NaN and
-    poisons its channel until the communicator is rebuilt; a rank whose own call completed before
-    a peer gave up raises at its next call on that channel. ``check`` (default: on the CPU,
+    or ``DcpMismatchError`` (ranks entered the call differently), writes its rows that did
+    not arrive as NaN and poisons its channel until the communicator is rebuilt; a rank whose own
+    call completed before a peer gave up raises at its next call on that channel. ``check`` (default: on the CPU,
     or with ``DCP_A2A_CHECK=1``) makes every call synchronize and raise at once; otherwise
     ``check()`` or ``start_watchdog()`` raises a recorded failure.
 

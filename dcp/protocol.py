@@ -261,7 +261,7 @@ def status_error(words: "ctypes.Array", world: int, rank: int, channel: int) -> 
             if r != rank and t not in (own, TAG_NONE) and gave_up_on(t) is None))
         return DcpTimeoutError(
             f"DCP all-to-all timed out waiting for rank(s) {missing} ({where}); the rows of that "
-            "call were written as NaN", missing)
+            "call that had not arrived were written as NaN", missing)
     if code == STATUS_MISMATCH:
         other = "; ".join(f"rank {r} {describe_tag(t)}" for r, t in announced.items()
                           if r != rank and t != own)

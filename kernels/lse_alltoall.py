@@ -423,6 +423,12 @@ def lse_alltoall_kernel(
         while t < n_tiles:
             _store_relaxed(dst_flags + t, want, GPU_SCOPE)
             t += G
+        # Refresh, round robin, one flag of this slot that this call does not publish, so that no
+        # flag is older than 2 * TILES_MAX calls: one left from an epoch period ago would carry a
+        # later call's very epoch and tag, and match before its source had pushed.
+        fresh = (e >> 1) % TILES_MAX
+        if (pid == 0) & (fresh >= n_tiles):
+            _store_relaxed(dst_flags + fresh, want, GPU_SCOPE)
         t_pushed = _stamp(t, TRACE)
 
         # Wait: a bounded spin on each tile's flags from every source (relaxed loads), then one
