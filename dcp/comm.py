@@ -75,9 +75,9 @@ class DcpAllToAll:
     most a day). A call that cannot complete raises ``DcpTimeoutError`` (naming the missing ranks)
     or ``DcpMismatchError`` (ranks entered the call differently), writes its rows that did
     not arrive as NaN and poisons its channel until the communicator is rebuilt; a rank whose own
-    call completed before a peer gave up raises at its next call on that channel. ``check`` (default: on the CPU,
-    or with ``DCP_A2A_CHECK=1``) makes every call synchronize and raise at once; otherwise
-    ``check()`` or ``start_watchdog()`` raises a recorded failure.
+    call completed before a peer gave up raises at its next call on that channel. ``check``
+    (default: on the CPU, or with ``DCP_A2A_CHECK=1``) makes every call synchronize and raise at
+    once; otherwise ``check()`` or ``start_watchdog()`` raises a recorded failure.
 
     Concurrency: each channel (``channels``, default 1) has its own slots, flags and device-side
     epoch; one call at a time per channel. Calls that may run concurrently (two streams, two graphs

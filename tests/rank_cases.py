@@ -786,58 +786,14 @@ def timeout_after_a_tile_that_arrived(state, key: str, B: int, lossy: int) -> di
     return {"returned": True, "flags": len(stores)}
 
 
-def one_flag_lost(state, key: str, seed: int, B: int, lossy: int, keep: int = 0) -> dict:
-    """A call with rank ``lossy``'s flag stores lost after its first ``keep`` (planted in the
-    interpreted kernel, whose programs run one after another: ``keep=1`` keeps only tile 0's).
-    Returns the flag stores each rank made (publications and retractions), the call's tiles
-    and grid, then the error it raised or its rows' error against the reference."""
-    from dcp import DcpMismatchError, DcpTimeoutError
-    from dcp.constants import KIND_COMBINE
-    from dcp.kernels import build_kernels
-
-    comm: DcpAllToAll = state[key]
-    rank, n, hn = comm.rank, comm.world, comm.heads_per_rank
-    transport = comm._transports[comm.backend]
-    grid = transport.by_size[KIND_COMBINE][B - 1][1]
-    tiles = transport.layout.tiles(B, transport.layout.warps_for(B))
-    scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
-    store, stores = scope["_store_relaxed"], []
-
-    def lost(ptr, val, GPU_SCOPE):
-        stores.append(val)  # (never stored past the first ``keep``: this rank's peers never see them)
-        if len(stores) <= keep:
-            store(ptr, val, GPU_SCOPE)
-
-    def counted(ptr, val, GPU_SCOPE):
-        stores.append(val)
-        store(ptr, val, GPU_SCOPE)
-
-    scope["_store_relaxed"] = lost if rank == lossy else counted
-    outs, lses = make_inputs(seed, n, B, comm.num_heads, comm.head_dim, comm.dtype)
-    out = torch.full((B, hn, comm.head_dim), float("nan"), dtype=comm.dtype)
-    res = {"flags": None, "tiles": tiles, "grid": grid}
-    try:
-        comm.lse_reduce(outs[rank], lses[rank], out=out, check=True)
-        res["error"] = err = max_rel_error(out.double(), chunk_reference(outs, lses, rank, hn)[0])
-        res["exact"] = err <= TOL[comm.dtype]
-    except (DcpTimeoutError, DcpMismatchError) as exc:
-        res.update(missing=exc.missing_ranks, message=str(exc), nan=bool(torch.isnan(out.float()).all()))
-    finally:
-        scope["_store_relaxed"] = store
-    res["flags"] = len(stores)
-    return res
-
-
 def flag_from_a_period_ago(state, key: str, seed: int, B: int, lossy: int) -> dict:
     """A call of B on channel 0, then as many calls without rows as make an epoch period (all but
-    the last few skipped by moving the epoch), then the call of B again: same tag, same epoch. Rank
-    ``lossy`` loses the flags of all its programs but the first in that call; the first call's
-    flags at those indexes, if nothing rewrote them, would stand in for them."""
-    from dcp.constants import EPOCH_PERIOD
-
+    the last few skipped by moving the epoch), then ``timeout_after_a_tile_that_arrived``'s call
+    of B: the same tag and epoch as the first, with rank ``lossy``'s flag of tile 1 or later lost.
+    The first call's flag at that index, if nothing rewrote it, would stand in for it."""
     import ctypes
 
-    from dcp.constants import EPOCH_STRIDE
+    from dcp.constants import EPOCH_PERIOD, EPOCH_STRIDE
 
     comm: DcpAllToAll = state[key]
     transport = comm._transports[comm.backend]
@@ -847,7 +803,7 @@ def flag_from_a_period_ago(state, key: str, seed: int, B: int, lossy: int) -> di
     transport.poke_epoch(0, (epoch - small) % EPOCH_PERIOD)
     for i in range(small):
         lse_case(state, key, seed + 1 + i, 0)  # (one program, publishing at index 0)
-    return one_flag_lost(state, key, seed + small + 1, B, lossy, keep=1)
+    return timeout_after_a_tile_that_arrived(state, key, B, lossy)
 
 
 def expect_mismatch(state, key: str, B: int) -> str:

@@ -134,20 +134,16 @@ def test_a_timeout_after_a_tile_that_arrived_is_recorded(worlds):
 @pytest.mark.parametrize("backend", ["triton", "pull"])
 def test_no_flag_outlives_an_epoch_period(worlds, backend):
     """A flag at an index that later, smaller calls leave alone must not live an epoch period: the
-    next call of the same tag at the same epoch would take it for its source's. Rank 1 loses its
-    flags past tile 0 in that call: rank 0 raises naming rank 1, where it would otherwise
-    return rows its source never published."""
+    next call of the same tag at the same epoch would take it for its source's. Rank 1 loses one
+    flag past tile 0 in that call: rank 0 raises naming rank 1, where it would otherwise return
+    rows its source never published; rank 1 returns, or raises naming itself."""
     w = worlds(2)
     w.run(rc.make_comm, "wrap", max_tokens=16, num_heads=8, head_dim=512, timeout_s=SHORT_TIMEOUT_S, max_programs=2,
           backend=backend)
-    res = w.run(rc.flag_from_a_period_ago, "wrap", fresh_seed(), 16, 1, timeout=240)
-    assert all(r["grid"] == 2 for r in res), res
-    r0, r1 = res
-    assert r0.get("missing") == [1] and "timed out waiting for rank(s) [1]" in r0["message"], r0
-    if "error" in r1:
-        assert r1["exact"] and r1["flags"] == r1["tiles"], r1
-    else:
-        assert r1["missing"] == [1], r1  # (it learned of rank 0's failure)
+    r0, r1 = w.run(rc.flag_from_a_period_ago, "wrap", fresh_seed(), 16, 1, timeout=240)
+    assert r1["flags"] >= 2, r1  # rank 1 published more than one tile: the plant took
+    assert r0.get("missing") == [1], r0
+    assert r1.get("returned") or r1.get("missing") == [1], r1
     w.run(rc.close_comm, "wrap")
 
 
