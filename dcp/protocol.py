@@ -88,14 +88,24 @@ class ChannelLayout:
     def padded_peers(self) -> int:  # a tile holds the rows of every peer: a power of two of them
         return _next_pow2(self.world)
 
+    def value_lanes(self, warps: int) -> int:
+        """Lanes of a pushed combine tile's values under ``warps``: in 16-warp tilings the other ranks
+        only (a rank's own values stay in its input), a power of two of them, which doubles a tile's
+        rows at N = 2, 3 and 5 (one H200, B = 512: 0.91-0.94x); else the peer axis itself (in every
+        tiling, N = 3, B = 64 took the same rows on half the warps, 1.05-1.07x on one H100;
+        docs/design.md, section 5.1)."""
+        if self.lse and warps >= LARGE_CALL_WARPS:
+            return _next_pow2(self.world - 1)
+        return self.padded_peers
+
     def rows_per_tile(self, warps: int) -> int:
         """Units of a tile under ``warps`` per program (rows of the combine, ``chunk_words``-word
-        chunks of the gather): [peers, units, columns] blocks of 4 KiB a warp."""
+        chunks of the gather): [value lanes, units, columns] blocks of 4 KiB a warp."""
         if not self.lse:  # one [units, columns] block, stored to each peer: at most 2 KiB a warp
             most = 1 << ((64 * self.chunks).bit_length() - 1)  # at most 64 rows, a power of two of units
             return max(1, min(most, 2048 * warps // (max(4, self.padded_peers) * self.chunk_words),
                               _next_pow2(self.rows_max * self.chunks)))
-        return max(1, min(64, 2048 * warps // (self.padded_peers * self.padded_dim * self.value_words),
+        return max(1, min(64, 2048 * warps // (self.value_lanes(warps) * self.padded_dim * self.value_words),
                           _next_pow2(self.rows_max)))
 
     def warps_for(self, n_tokens: int) -> int:
@@ -194,7 +204,7 @@ class ChannelRegion:
     def constexprs(self, layout: ChannelLayout, warps: int) -> dict:
         """The fused kernel's geometry for one collective's tiling on this region."""
         return dict(layout.tile_constexprs(warps), CW=layout.chunk_words, CHUNKS=layout.chunks,
-                    ROWS_MAX=layout.rows_max, TILES_MAX=self.tiles_max,
+                    NV=layout.value_lanes(warps), ROWS_MAX=layout.rows_max, TILES_MAX=self.tiles_max,
                     FLAG_OFF=self.flag_offset, RECV_OFF=self.recv_offset, SLOT=self.slot_elems,
                     GATHER=not layout.lse)
 

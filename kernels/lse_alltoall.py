@@ -64,10 +64,13 @@ _MASK_READ = tl.constexpr(MASK_READ)
 
 # --- shared by both paths ------------------------------------------------------------------------
 # A tile is BLOCK_R rows of the flattened [B * HN] (token, head) space of one head chunk, taken for
-# every peer at once: a push moves a [NP, BLOCK_R, DP] block in one load and one store, so it costs
-# one memory round trip however many peers there are (NP is N rounded up to a power of two; the
-# padding peers are masked off). A combine reads the sources' [BLOCK_R, DP] blocks one by one, but
-# nothing orders those loads, so they are in flight together.
+# every peer at once: a push moves the values as a [NV, BLOCK_R, DP] block in one load and one
+# store, so it costs one memory round trip however many peers there are. The fused kernel never
+# pushes its own chunk's values: its value lanes are either the peer axis with its own lane masked
+# (NV = NP, N rounded up to a power of two) or, in 16-warp tilings where N - 1 rounds to fewer
+# lanes, the other ranks only (lane j: rank + 1 + j mod N; dcp.protocol.ChannelLayout.value_lanes).
+# The LSEs go to every peer, [NP, BLOCK_R]. Padding lanes are masked off. A combine reads the sources'
+# [BLOCK_R, DP] blocks one by one, but nothing orders those loads, so they are in flight together.
 
 _WAYS = tl.constexpr(8)  # entries of query_start_loc a metadata search step compares at once
 
@@ -129,28 +132,29 @@ def _empty_rows(tok, rmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl, top, h1,
     return (b >= end) | (local == 0)
 
 
-def _load_tile(po, lse, t, n_rows, peer, own, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, tmask, tok0,
+def _load_tile(po, lse, t, n_rows, peer, vpeer, vok, c_off, cmask, s_po_b, s_po_h, s_lse_b, s_lse_h, tmask, tok0,
                mask_mode, N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Tile t of the input for every peer: values [NP, BLOCK_R, DP] and fp32 LSEs [NP, BLOCK_R]
-    (peer d's head chunk; masked off past the last row and for padding peers, and the values of
-    peer ``own``: the fused kernel's combine reads this rank's own chunk from the input); and
+    """Tile t of the input: values [NV, BLOCK_R, DP] of the head chunks ``vpeer`` (where ``vok``)
+    and fp32 LSEs [NP, BLOCK_R] of every peer's chunk (masked off past the last row and for padding
+    lanes); and
     where ``mask_mode`` is _MASK_READ, its rows' tokens' bytes of the empty-token mask ``tmask``
     (nonzero: empty), loaded with the values, one tile ahead of their use."""
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
-    head = peer[:, None] * HN + hh[None, :]
-    vals = tl.load(po + tok[None, :, None] * s_po_b + head[:, :, None] * s_po_h + c_off[None, None, :],
-                   mask=(m2 & (peer != own)[:, None])[:, :, None] & cmask[None, None, :])
-    lv = tl.load(lse + tok[None, :] * s_lse_b + head * s_lse_h, mask=m2).to(tl.float32)
+    vhead = vpeer[:, None] * HN + hh[None, :]
+    vals = tl.load(po + tok[None, :, None] * s_po_b + vhead[:, :, None] * s_po_h + c_off[None, None, :],
+                   mask=(vok[:, None] & rmask[None, :])[:, :, None] & cmask[None, None, :])
+    lv = tl.load(lse + tok[None, :] * s_lse_b + (peer[:, None] * HN + hh[None, :]) * s_lse_h, mask=m2).to(tl.float32)
     gone = tl.load(tmask + (tok + tok0), mask=rmask & (mask_mode == _MASK_READ), other=0)
     return vals, lv, gone
 
 
-def _store_tile(dst16, t, vals, lv, gone, n_rows, peer, own, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl, s_qsl,
-                tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end,
+def _store_tile(dst16, vdst16, t, vals, lv, gone, n_rows, peer, vok, c_off, cmask, tok0, seq_lens, qsl, num_seqs, s_sl,
+                s_qsl, tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end,
                 N: tl.constexpr, HN: tl.constexpr, BLOCK_R: tl.constexpr, ROW: tl.constexpr, LSE_OFF: tl.constexpr):
     """Store a loaded tile as packed rows (the values, then the fp32 LSE at 16-bit word LSE_OFF) at
-    its rows of each peer's destination ``dst16[peer]`` (peer ``own``: the LSEs only). With batch
+    its rows of each destination: the values of lane j at ``vdst16[j]`` (where ``vok``), the LSEs
+    of peer d at ``dst16[d]``. With batch
     metadata (``num_seqs`` >= 0; ``tok0`` the launch's first token in the call) the LSEs of empty
     rows are -inf: this rank adds nothing to them. The values go first, so that they are on their
     way while the search for the empty rows waits for its loads. ``mask_mode``: _MASK_READ takes
@@ -159,12 +163,13 @@ def _store_tile(dst16, t, vals, lv, gone, n_rows, peer, own, c_off, cmask, tok0,
     rows, rmask, tok, hh = _tile_rows(t, n_rows, HN, BLOCK_R)
     m2 = (peer < N)[:, None] & rmask[None, :]
     drow = dst16[:, None] + rows.to(tl.int64)[None, :] * ROW
-    vmask = (m2 & (peer != own)[:, None])[:, :, None] & cmask[None, None, :]
+    vrow = vdst16[:, None] + rows.to(tl.int64)[None, :] * ROW
+    vmask = (vok[:, None] & rmask[None, :])[:, :, None] & cmask[None, None, :]
     if vals.dtype == tl.float32:  # two 16-bit words a value
-        tl.store(drow.to(tl.pointer_type(tl.float32), bitcast=True)[:, :, None] + c_off[None, None, :], vals,
+        tl.store(vrow.to(tl.pointer_type(tl.float32), bitcast=True)[:, :, None] + c_off[None, None, :], vals,
                  mask=vmask)
     else:
-        tl.store(drow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True), mask=vmask)
+        tl.store(vrow[:, :, None] + c_off[None, None, :], vals.to(tl.int16, bitcast=True), mask=vmask)
     if num_seqs >= 0:
         if mask_mode == _MASK_READ:
             empty = gone != 0
@@ -333,7 +338,7 @@ def lse_alltoall_kernel(
     n_tokens, call_tag, rank,
     s_po_b, s_po_h, s_lse_b, s_lse_h, s_y_b, s_y_h, s_yl_b, s_yl_h,
     write_lse, log2_scale, tok0, num_seqs, s_sl, s_qsl, mask_mode,
-    N: tl.constexpr, NP: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, NV: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, CW: tl.constexpr, CHUNKS: tl.constexpr,
     ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr, FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, SLOT: tl.constexpr, GATHER: tl.constexpr,
     ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr, TRACE: tl.constexpr, PDL: tl.constexpr, PULL: tl.constexpr,
@@ -405,16 +410,29 @@ def lse_alltoall_kernel(
                 vals = nvals
                 t += G
         else:
-            vals, lv, gone = _load_tile(po, lse, t, n_push, peer, rank, c_off, cmask, s_po_b, s_po_h, s_lse_b,
+            if NV == NP:  # the values on the peer axis, this rank's own lane masked off
+                vpeer = peer
+                vok = (peer < N) & (peer != rank)
+                vdst16 = dst16
+            else:  # on lanes of their own, lane j to rank + 1 + j: their bases, loaded once
+                vpeer = (rank + 1 + tl.arange(0, NV)) % N
+                vok = tl.arange(0, NV) < N - 1
+                if PULL:
+                    vdst16 = (tl.multiple_of(local.to(tl.pointer_type(tl.int16)), 16) + (RECV_OFF // 2 + stage)
+                              + vpeer.to(tl.int64) * (ROWS_MAX * ROW))
+                else:
+                    vdst16 = (tl.multiple_of(tl.load(ctl + vpeer).to(tl.pointer_type(tl.int16)), 16)
+                              + (RECV_OFF // 2 + to_slot))
+            vals, lv, gone = _load_tile(po, lse, t, n_push, peer, vpeer, vok, c_off, cmask, s_po_b, s_po_h, s_lse_b,
                                         s_lse_h, tmask, tok0, mask_mode, N, HN, BLOCK_R)
             top, h1, h2, h3, h4, h5, h6, h7, end = _search_start(qsl, tl.where(mask_mode == _MASK_READ, -1, num_seqs),
                                                                  s_qsl)
             while t * BLOCK_R < n_push:
-                nvals, nlv, ngone = _load_tile(po, lse, t + G, n_push, peer, rank, c_off, cmask, s_po_b, s_po_h,
-                                               s_lse_b, s_lse_h, tmask, tok0, mask_mode, N, HN, BLOCK_R)
-                _store_tile(dst16, t, vals, lv, gone, n_push, peer, rank, c_off, cmask, tok0, seq_lens, qsl, num_seqs,
-                            s_sl, s_qsl, tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end, N, HN, BLOCK_R, ROW,
-                            LSE_OFF)
+                nvals, nlv, ngone = _load_tile(po, lse, t + G, n_push, peer, vpeer, vok, c_off, cmask, s_po_b,
+                                               s_po_h, s_lse_b, s_lse_h, tmask, tok0, mask_mode, N, HN, BLOCK_R)
+                _store_tile(dst16, vdst16, t, vals, lv, gone, n_push, peer, vok, c_off, cmask, tok0, seq_lens, qsl,
+                            num_seqs, s_sl, s_qsl, tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end, N, HN,
+                            BLOCK_R, ROW, LSE_OFF)
                 vals, lv, gone = nvals, nlv, ngone
                 t += G
         tl.debug_barrier()
@@ -596,12 +614,12 @@ def pack_kernel(po, lse, send, seq_lens, qsl, tmask, n_tokens, s_po_b, s_po_h, s
     c_off = tl.arange(0, DP)
     peer = tl.arange(0, NP)
     dst16 = tl.multiple_of(send.to(tl.pointer_type(tl.int16), bitcast=True), 16) + (peer * n_rows).to(tl.int64) * ROW
-    vals, lv, gone = _load_tile(po, lse, tl.program_id(0), n_rows, peer, -1, c_off, c_off < D, s_po_b, s_po_h, s_lse_b,
-                                s_lse_h, tmask, tok0, mask_mode, N, HN, BLOCK_R)
+    vals, lv, gone = _load_tile(po, lse, tl.program_id(0), n_rows, peer, peer, peer < N, c_off, c_off < D, s_po_b,
+                                s_po_h, s_lse_b, s_lse_h, tmask, tok0, mask_mode, N, HN, BLOCK_R)
     top, h1, h2, h3, h4, h5, h6, h7, end = _search_start(qsl, tl.where(mask_mode == _MASK_READ, -1, num_seqs), s_qsl)
-    _store_tile(dst16, tl.program_id(0), vals, lv, gone, n_rows, peer, -1, c_off, c_off < D, tok0, seq_lens, qsl,
-                num_seqs, s_sl, s_qsl, tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end, N, HN, BLOCK_R, ROW,
-                LSE_OFF)
+    _store_tile(dst16, dst16, tl.program_id(0), vals, lv, gone, n_rows, peer, peer < N, c_off, c_off < D, tok0,
+                seq_lens, qsl, num_seqs, s_sl, s_qsl, tmask, mask_mode, top, h1, h2, h3, h4, h5, h6, h7, end, N, HN,
+                BLOCK_R, ROW, LSE_OFF)
 
 
 def combine_kernel(recv, y, y_lse, n_tokens, s_y_b, s_y_h, s_yl_b, s_yl_h, write_lse, log2_scale,

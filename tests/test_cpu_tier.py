@@ -53,9 +53,12 @@ def test_small_calls_take_the_smallest_tiles_one_round_of_the_grid_covers():
     assert warps(6, 1, [1, 64]) == [8, 8]  # no tiling fits: the default
     assert warps(2, 132, [1, 512], num_warps=4) == [4, 4]
     lay = ChannelLayout(world=2, heads_per_rank=16, head_dim=512, max_tokens=512, programs=132)
-    assert lay.tilings == {1: 2, 2: 4, 4: 8, 8: 16, 16: 32}
+    # (16 warps: the values of the one other rank a tile, 64 rows at most)
+    assert lay.tilings == {1: 2, 2: 4, 4: 8, 8: 16, 16: 64}
+    assert [lay.value_lanes(w) for w in sorted(lay.tilings)] == [2, 2, 2, 2, 1]
+    assert [ChannelLayout(n, 16, 512, 512).value_lanes(16) for n in range(2, 9)] == [1, 2, 4, 4, 8, 8, 8]
     # every launch's tiles fit the flags, and the flags are sized by the most tiles of any launch
-    assert lay.tiles_max == max(lay.tiles(n, lay.warps_for(n)) for n in range(1, 513)) == 256
+    assert lay.tiles_max == max(lay.tiles(n, lay.warps_for(n)) for n in range(1, 513)) == 132
     assert [lay.launches_early(w) for w in sorted(lay.tilings)] == [True] * 4 + [False]
     assert ChannelLayout(3, 1, 128, 512, num_warps=16).launches_early(16)
     # a combine tile of 1 or 2 warps' rows runs on 4x the warps; the gather's and a fixed count as they are
@@ -345,7 +348,7 @@ def _wire_layout() -> str:
 
 # WIRE_REVISION -> _wire_layout() of that revision (append one with each new revision). 1: the
 # layout of the releases before it was agreed (16-byte combine rows; computed at cc3b5b7's parent).
-WIRE_LAYOUTS = {1: "7aea1fecde3e3966", 2: "6972127726354fe8"}
+WIRE_LAYOUTS = {1: "7aea1fecde3e3966", 2: "6972127726354fe8", 3: "280d601dea346f9a"}
 
 
 def test_a_change_to_the_wire_layout_raises_the_wire_revision():

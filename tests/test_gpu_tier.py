@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from dcp.protocol import POISONED_NOTE
+from dcp.protocol import LARGE_CALL_TOKENS, POISONED_NOTE
 from dcp.spawn import World
 from dcp.constants import EPOCH_PERIOD
 
@@ -49,6 +49,24 @@ def test_lse_reduce_matches_reference_gpu(worlds, n):
     assert w.run(rc.bad_calls, "fp16")
     w.run(rc.close_comm, "bf16")
     w.run(rc.close_comm, "fp16")
+
+
+@pytest.mark.parametrize("n", [2, 3, 6])
+def test_large_calls_match_reference_gpu(worlds, n):
+    """Calls from LARGE_CALL_TOKENS up take the 16-warp tiling, whose push tiles at N = 2 and 3 hold
+    the other ranks' values only (``ChannelLayout.value_lanes``): both transports, vLLM's shape."""
+    w = worlds(n, "cuda")
+    seed = fresh_seed()
+    cases = [dict(B=LARGE_CALL_TOKENS, use_out=True, special=True),
+             dict(B=LARGE_CALL_TOKENS + 3, use_out=True, base_e=False),  # a 16-warp launch, then a small one
+             dict(B=LARGE_CALL_TOKENS, return_lse=False, strided=True)]
+    for i, backend in enumerate(("push", "pull")):
+        w.run(rc.make_comm, backend, device="cuda", max_tokens=LARGE_CALL_TOKENS, num_heads=16 * n,
+              head_dim=512, backend=backend)
+        assert w.run(rc.tilings, backend, [LARGE_CALL_TOKENS]) == [[(16, False)]] * n
+        for j, case in enumerate(cases):
+            w.run(rc.lse_case, backend, seed + 10 * i + j, **case)
+        w.run(rc.close_comm, backend)
 
 
 @pytest.mark.parametrize("n", [3, 6])
