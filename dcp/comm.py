@@ -84,10 +84,11 @@ class DcpAllToAll:
     replayed at once) must use different channels.
 
     Tuning (defaults are measured: ``docs/design.md``, section 5): ``max_programs`` (default: the
-    device's SMs over its ranks and the channels) sizes the kernel's grid; ``num_warps`` fixes the
-    warps per program (default: by call size, fewer for small calls, 16 from 128 tokens); ``pdl``
-    (default: on from compute capability 9.0) launches small calls with programmatic dependent
-    launch. ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
+    device's SMs over its ranks and the channels) caps the kernel's grid (every rank runs the
+    smallest any rank asks for: ``self.max_programs``); ``num_warps`` fixes the warps per program
+    (default: by call size, fewer for small calls, 16 from 128 tokens); ``pdl`` (default: on from
+    compute capability 9.0) launches small calls with programmatic dependent launch.
+    ``DCP_A2A_TRACE=1`` compiles in a per-call timestamp trace (``trace()``).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int = 64, num_heads: Optional[int] = None,
@@ -117,7 +118,7 @@ class DcpAllToAll:
         self.max_tokens, self.num_heads, self.head_dim, self.dtype = c.max_tokens, c.num_heads, c.head_dim, c.dtype
         self.query_dim, self.query_dtype, self.device, self.channels = c.query_dim, c.query_dtype, c.device, c.channels
         self.heads_per_rank, self.timeout_s, self.check_calls = c.heads_per_rank, c.timeout_s, c.check_calls
-        self.pdl, self.max_programs, self.num_warps, self.tracing = c.pdl, c.max_programs, c.num_warps, c.tracing
+        self.pdl, self.max_programs, self.num_warps, self.tracing = c.pdl, c.programs, c.num_warps, c.tracing
         # 3. The rows of each collective and the region they share.
         layouts = channel_layouts(c)
         self.layout, self.gather_layout = layouts[KIND_COMBINE], layouts[KIND_GATHER]

@@ -83,7 +83,7 @@ class Config:
     backend: str  # as requested ("push" named "triton")
     channels: int
     timeout_s: float
-    max_programs: Optional[int]  # this rank's grid at most (None until agreed: then its default)
+    max_programs: Optional[int]  # the grid this rank asks for at most (None until agreed: then its default)
     num_warps: Optional[int]
     pdl: bool
     check_calls: bool
@@ -91,7 +91,7 @@ class Config:
     measures: bool  # whether auto times its candidates
     gpu_scope: bool = False  # set when agreed: flags and fences at GPU scope (every rank on one GPU)
     ranks_per_device: int = 1  # set when agreed
-    programs: int = 1  # set when agreed: the smallest grid of any rank, which sizes every rank's tiles
+    programs: int = 1  # set when agreed: the smallest grid of any rank, every rank's grid and tile sizing
 
     @property
     def heads_per_rank(self) -> int:

@@ -5,8 +5,9 @@ so the host's planning and decoding modules (``dcp.protocol``, ``dcp.plan``) loa
 # The layout of what ranks exchange (rows, slots, flags, tags): the ranks of a group must all run
 # the same one, which construction checks. Raised with every change to it (a test fingerprints the
 # layout of each revision); 2: combine rows padded to 32 bytes, not 16; 3: 16-warp combine tiles of the
-# other ranks' values only (twice the rows at N = 2, 3 and 5).
-WIRE_REVISION = 3
+# other ranks' values only (twice the rows at N = 2, 3 and 5); 4: one flag per program and
+# destination in the gather's and the 16-warp combine's tilings.
+WIRE_REVISION = 4
 
 # The epoch kept on the device runs over [0, EPOCH_PERIOD); a call uses e = epoch + 1, in
 # [1, EPOCH_PERIOD]. The period is even so that the slot parity e & 1 alternates across the wrap,

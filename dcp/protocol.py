@@ -129,6 +129,13 @@ class ChannelLayout:
             return 4 * warps
         return warps
 
+    def one_wait(self, warps: int) -> bool:
+        """Whether a tiling's programs publish and wait for one flag each, not one per tile: the
+        gather's and the 16-warp combine's, where programs walk many tiles (one H100: gathers at
+        B = 64 and 512 0.85-0.98x, B = 512 combines 0.96-0.99x); an 8-warp pushed combine at N = 3,
+        B = 64 ran 1.21-1.24x slower with it (docs/design.md, section 5.1)."""
+        return not self.lse or warps >= LARGE_CALL_WARPS
+
     def launches_early(self, warps: int) -> bool:
         """Whether a tiling's calls use programmatic dependent launch (where it is on): only the
         small calls' (16-warp calls lost 5.6% with it at N = 6, B = 512 on one H200)."""
@@ -206,7 +213,7 @@ class ChannelRegion:
         return dict(layout.tile_constexprs(warps), CW=layout.chunk_words, CHUNKS=layout.chunks,
                     NV=layout.value_lanes(warps), ROWS_MAX=layout.rows_max, TILES_MAX=self.tiles_max,
                     FLAG_OFF=self.flag_offset, RECV_OFF=self.recv_offset, SLOT=self.slot_elems,
-                    GATHER=not layout.lse)
+                    GATHER=not layout.lse, ONE_WAIT=layout.one_wait(warps))
 
 
 def call_tag(kind: int, n_tokens: int, base2: bool = False) -> int:

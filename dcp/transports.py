@@ -95,13 +95,14 @@ class TritonTransport:
         self.scratch_at = self.scratch.data_ptr()
         kernel = build_kernels(interpret=device.type == "cpu").fused
         # (kind, warps) -> its launcher; by kind, by call size (index B - 1 for B = 1 to max_tokens):
-        # its tiling's launcher and its grid, at most ``max_programs`` (all of them resident at once)
-        # and never more than tiles.
+        # its tiling's launcher and its grid: the agreed ``programs`` (all of them resident at once;
+        # under ONE_WAIT a program waits for its own index only, which must have pushed the same
+        # tiles on every rank), never more than tiles.
         self.fused = {key: Launcher(kernel, device, constexprs, options) for key, (constexprs, options)
                       in fused_variants(layouts, region, config.gpu_scope, config.tracing, config.pdl, pull).items()}
         self.by_size = {}
         for kind, layout in layouts.items():
-            self.by_size[kind] = [(self.fused[kind, w], min(layout.tiles(n, w), config.max_programs, EPOCH_STRIDE))
+            self.by_size[kind] = [(self.fused[kind, w], min(layout.tiles(n, w), config.programs, EPOCH_STRIDE))
                                   for n, w in enumerate(layout.warps_by_size, 1)]
         self.tilings = tuple(self.fused)  # (kind, warps) pairs
         self.traces = [torch.zeros((TRACE_CALLS, TRACE_PROGRAMS, TRACE_WORDS), dtype=torch.int64, device=device)

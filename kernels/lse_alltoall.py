@@ -7,7 +7,10 @@ its tiles straight into every destination's receive slot (its own chunk's LSEs o
 reads those values from the input), fences once and publishes one flag per tile and destination;
 then it waits for the same tiles from every source, fences once and combines them. A waiting
 program only depends on programs with the same index on other ranks, so the protocol needs no
-ordering between programs of one rank.
+ordering between programs of one rank. In the tilings of ``ONE_WAIT`` (large combines, every
+gather) a program publishes one flag per destination instead, at its own index, and waits once:
+a source's program ``p`` pushed all of program ``p``'s tiles before its one fence (every rank runs
+the agreed grid and the call's tiling), so that flag covers them all.
 
 Memory of one channel on one rank (byte offsets are constexprs computed by ``dcp.protocol``)::
 
@@ -340,8 +343,9 @@ def lse_alltoall_kernel(
     write_lse, log2_scale, tok0, num_seqs, s_sl, s_qsl, mask_mode,
     N: tl.constexpr, NP: tl.constexpr, NV: tl.constexpr, HN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, LSE_OFF: tl.constexpr, BLOCK_R: tl.constexpr, CW: tl.constexpr, CHUNKS: tl.constexpr,
-    ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr, FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr, SLOT: tl.constexpr, GATHER: tl.constexpr,
-    ALIGNED: tl.constexpr, GPU_SCOPE: tl.constexpr, TRACE: tl.constexpr, PDL: tl.constexpr, PULL: tl.constexpr,
+    ROWS_MAX: tl.constexpr, TILES_MAX: tl.constexpr, FLAG_OFF: tl.constexpr, RECV_OFF: tl.constexpr,
+    SLOT: tl.constexpr, GATHER: tl.constexpr, ONE_WAIT: tl.constexpr, ALIGNED: tl.constexpr,
+    GPU_SCOPE: tl.constexpr, TRACE: tl.constexpr, PDL: tl.constexpr, PULL: tl.constexpr,
 ):
     """One launch of a call: ``n_tokens`` tokens of this launch, ``call_tag`` the call's tag (its
     kind and total B; TAG_ABORT or TAG_POISONED with no tokens announce a call that moves no data;
@@ -378,6 +382,8 @@ def lse_alltoall_kernel(
         n_push = tl.where(poisoned, 0, n_rows)
         # Tile 0 always exists, even without rows: every call announces itself to every peer.
         n_tiles = tl.maximum((n_rows + BLOCK_R - 1) // BLOCK_R, 1)
+        # The flags a call publishes per destination: one per tile, or one per program (ONE_WAIT).
+        n_flags = tl.minimum(n_tiles, G) if ONE_WAIT else n_tiles
         c_off = tl.arange(0, CW)
         cmask = c_off < D
         peer = tl.arange(0, NP)
@@ -386,8 +392,8 @@ def lse_alltoall_kernel(
         bases = tl.load(ctl + tl.minimum(peer, N - 1))
 
         # Push: pack each tile for every destination straight into its receive slot; then one
-        # fence for all of them and a relaxed flag per tile and destination (the release pattern,
-        # paid once per program, not per tile or per peer).
+        # fence for all of them and a relaxed flag per tile (or program) and destination (the release
+        # pattern, paid once per program, not per tile or per peer).
         # (The alignment hint goes on the converted base itself: Triton 3.8 rewrites a converted
         # sum into an offset from the converted base and drops a hint placed on the sum.)
         stage = slot.to(tl.int64) * SLOT
@@ -438,14 +444,14 @@ def lse_alltoall_kernel(
         tl.debug_barrier()
         _fence(e, GPU_SCOPE)
         t = pid
-        while t < n_tiles:
+        while t < n_flags:
             _store_relaxed(dst_flags + t, want, GPU_SCOPE)
             t += G
         # Refresh, round robin, one flag of this slot that this call does not publish, so that no
         # flag is older than 2 * TILES_MAX calls: one left from an epoch period ago would carry a
         # later call's very epoch and tag, and match before its source had pushed.
         fresh = (e >> 1) % TILES_MAX
-        if (pid == 0) & (fresh >= n_tiles):
+        if (pid == 0) & (fresh >= n_flags):
             _store_relaxed(dst_flags + fresh, want, GPU_SCOPE)
         t_pushed = _stamp(t, TRACE)
 
@@ -466,64 +472,66 @@ def lse_alltoall_kernel(
         timeout = tl.where(poisoned, 0, tl.load(ctl + _CTL_TIMEOUT)).to(tl.int64)
         t = pid
         while t < n_tiles:
-            # Once a program of this call has given up, the others give up at once too.
-            timeout = tl.where(_call_failed(status, e), 0, timeout).to(tl.int64)
-            start = _now(t)
-            tile_code = 0
-            absent = code * 0  # bit s: source s's flag of this tile does not carry this epoch (yet)
-            while tile_code == 0:
-                absent = code * 0
-                n_same = 0
-                n_gave_up = 0
-                for s in tl.static_range(N):
-                    got = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL) + t,
-                                        GPU_SCOPE)
-                    absent |= ((got & 0xFFFFFFFF) != e).to(tl.int32) << s
-                    n_same += (got == want).to(tl.int32)
-                    n_gave_up += _gave_up(got, e).to(tl.int32)
-                waited = _now(t) - start
-                # (a source that gave up on this call fails it at once, as a timeout)
-                tile_code = tl.where(n_same == N, -1, tl.where(n_gave_up > 0, _TIMEOUT, tl.where(
-                    absent == 0, _MISMATCH, tl.where(waited > timeout, _TIMEOUT, 0))))
-                # A sender of another call (another B, or a call that moves no data) may never
-                # publish this tile; its tile 0 always exists, so it shows there. Looked at only
-                # once the wait is not short, so the fast spin reads nothing else.
-                # A source whose channel is poisoned never takes part again, whatever the epoch;
-                # one that gave up on this call after a timeout fails it as a timeout here too.
-                if (tile_code == 0) & (waited > _MISMATCH_AFTER_NS):
+            if _waits_for(t, pid, ONE_WAIT):  # each tile, or (ONE_WAIT) the program's first only
+                # Once a program of this call has given up, the others give up at once too.
+                timeout = tl.where(_call_failed(status, e), 0, timeout).to(tl.int64)
+                start = _now(t)
+                tile_code = 0
+                absent = code * 0  # bit s: source s's flag of this tile does not carry this epoch (yet)
+                while tile_code == 0:
+                    absent = code * 0
+                    n_same = 0
+                    n_gave_up = 0
                     for s in tl.static_range(N):
-                        first = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL),
-                                              GPU_SCOPE)
-                        if _gave_up(first, e):
-                            tile_code = tl.where(tile_code == _MISMATCH, _MISMATCH, _TIMEOUT)
-                        elif (((first & 0xFFFFFFFF) == e) & (first != want)) | ((first >> 32) == _TAG_POISONED):
-                            tile_code = _MISMATCH
-                _pause()
-            if (tile_code > 0) & (code <= 0):  # (code is -1 once a tile arrived)
-                # Missing: the sources absent at the wait's last read (read again, a late one
-                # that arrived since would be named by nobody); also for the retraction.
-                _record_failure(status, flags, ctl, slot, t, e, tag, tile_code, absent, N, TILES_MAX, FLAG_OFF,
-                                GPU_SCOPE, PULL)
-                missed = absent
-            code = tl.where(code > 0, code, tile_code)
-            # After one failed wait the call is lost: later tiles look once and give up.
-            timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
-            t_arrived = _stamp(t, TRACE)
-            if PDL:
-                if t + G >= n_tiles:
-                    # The next call may now be scheduled: every peer's programs are resident (their
-                    # tiles arrived), and its programs wait (above) only for this grid, which needs
-                    # nothing more from other ranks, so the SM slots they hold cannot keep a peer's
-                    # call from finishing.
-                    tl.debug_barrier()
-                    gdc_launch_dependents()
+                        got = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL) + t,
+                                            GPU_SCOPE)
+                        absent |= ((got & 0xFFFFFFFF) != e).to(tl.int32) << s
+                        n_same += (got == want).to(tl.int32)
+                        n_gave_up += _gave_up(got, e).to(tl.int32)
+                    waited = _now(t) - start
+                    # (a source that gave up on this call fails it at once, as a timeout)
+                    tile_code = tl.where(n_same == N, -1, tl.where(n_gave_up > 0, _TIMEOUT, tl.where(
+                        absent == 0, _MISMATCH, tl.where(waited > timeout, _TIMEOUT, 0))))
+                    # A sender of another call (another B, or a call that moves no data) may never
+                    # publish this tile; its tile 0 always exists, so it shows there. Looked at only
+                    # once the wait is not short, so the fast spin reads nothing else.
+                    # A source whose channel is poisoned never takes part again, whatever the epoch;
+                    # one that gave up on this call after a timeout fails it as a timeout here too.
+                    if (tile_code == 0) & (waited > _MISMATCH_AFTER_NS):
+                        for s in tl.static_range(N):
+                            first = _load_relaxed(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL),
+                                                  GPU_SCOPE)
+                            if _gave_up(first, e):
+                                tile_code = tl.where(tile_code == _MISMATCH, _MISMATCH, _TIMEOUT)
+                            elif (((first & 0xFFFFFFFF) == e) & (first != want)) | ((first >> 32) == _TAG_POISONED):
+                                tile_code = _MISMATCH
+                    _pause()
+                if (tile_code > 0) & (code <= 0):  # (code is -1 once a tile arrived)
+                    # Missing: the sources absent at the wait's last read (read again, a late one
+                    # that arrived since would be named by nobody); also for the retraction.
+                    _record_failure(status, flags, ctl, slot, t, e, tag, tile_code, absent, N, TILES_MAX, FLAG_OFF,
+                                    GPU_SCOPE, PULL)
+                    missed = absent
+                code = tl.where(code > 0, code, tile_code)
+                # After one failed wait the call is lost: later tiles look once and give up.
+                timeout = tl.where(code > 0, 0, timeout).to(tl.int64)
+                t_arrived = _stamp(t, TRACE)
+                if PDL:
+                    if _last_wait(t, G, n_tiles, ONE_WAIT):
+                        # The next call may now be scheduled: every peer's programs are resident (their
+                        # tiles arrived), and its programs wait (above) only for this grid, which needs
+                        # nothing more from other ranks, so the SM slots they hold cannot keep a peer's
+                        # call from finishing.
+                        tl.debug_barrier()
+                        gdc_launch_dependents()
+                # The rows are made visible by an acquire load of each source's flag once the relaxed
+                # poll saw them all (a poll of acquire loads would invalidate the SM's L1 at every
+                # read; a fence per tile measured up to 8% slower), each pairing with its source's
+                # fence before its flag.
+                for s in tl.static_range(N):
+                    _load_acquire(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL) + t, GPU_SCOPE)
             # Finish this tile at once, from local memory, while later tiles may still be on their
-            # way: combine, or copy out (gather). Its rows are made visible by an acquire load of
-            # each source's flag once the relaxed poll saw them all (a poll of acquire loads would
-            # invalidate the SM's L1 at every read; a fence per tile measured up to 8% slower), each
-            # pairing with its source's fence before its flag.
-            for s in tl.static_range(N):
-                _load_acquire(_source_flags(s, flags, ctl, slot, N, TILES_MAX, FLAG_OFF, PULL) + t, GPU_SCOPE)
+            # way (unless ONE_WAIT): combine, or copy out (gather).
             if t * BLOCK_R < n_rows:
                 if GATHER:
                     _copy_chunks(recv16, t, n_rows, ROWS_MAX * ROW, ctl, to_me, y, s_y_b, s_y_h, c_off, code < 0, N,
@@ -549,7 +557,7 @@ def lse_alltoall_kernel(
             retracted = ((tl.full([], _TAG_GAVE_UP, tl.int64) - missed.to(tl.int64)) << 32) | e.to(tl.int64)
             _fence(e, GPU_SCOPE)
             t = pid
-            while t < n_tiles:
+            while t < n_flags:
                 _store_relaxed(dst_flags + t, retracted, GPU_SCOPE)
                 t += G
         t_combined = _stamp(t, TRACE)
@@ -568,6 +576,21 @@ def lse_alltoall_kernel(
                 tl.store(rec + 3, t_arrived)
                 tl.store(rec + 4, t_combined)
                 tl.store(rec, e.to(tl.int64))
+
+
+def _waits_for(t, pid, ONE_WAIT: tl.constexpr):
+    """Whether a program waits for tile t's flags: for every tile, or (ONE_WAIT) only for its first,
+    whose flag, at its own index, covers all its tiles. (``t == t``: true, folded at compile time.)"""
+    if ONE_WAIT:
+        return t == pid
+    return t == t
+
+
+def _last_wait(t, G, n_tiles, ONE_WAIT: tl.constexpr):
+    """Whether the wait for tile t is the program's last (its only one under ONE_WAIT)."""
+    if ONE_WAIT:
+        return t == t
+    return t + G >= n_tiles
 
 
 def _gave_up(flag, e):
@@ -733,7 +756,7 @@ _MODE_HELPERS = ("_load_relaxed", "_load_acquire", "_store_relaxed", "_fence", "
                  "_round_to")
 _SHARED_HELPERS = (_tile_rows, _search_start, _empty_rows, _load_tile, _store_tile, _chunk_units, _load_chunks,
                    _store_chunks, _copy_chunks, _source, _source_flags, _load_lse, _combine_rows,
-                   _finish_combine, _stamp, _scale_strides, _gave_up, _record_failure)
+                   _finish_combine, _stamp, _scale_strides, _waits_for, _last_wait, _gave_up, _record_failure)
 _INT_ARGS = ["n_tokens", "call_tag", "rank", "s_po_b", "s_po_h", "s_lse_b", "s_lse_h", "s_y_b", "s_y_h",
              "s_yl_b", "s_yl_h", "write_lse", "tok0", "num_seqs", "s_sl", "s_qsl", "mask_mode"]
 _built: dict = {}

@@ -31,6 +31,17 @@ def close_comm(state, key: str) -> None:
     state.pop(key).close()
 
 
+def fused_grids(state, key: str) -> dict:
+    """The fused transport's launch grid of each call size (index B - 1), by kind."""
+    return {kind: [grid for _, grid in by_size] for kind, by_size in state[key]._transports["triton"].by_size.items()}
+
+
+def gather_tiles(state, key: str, B: int) -> int:
+    """The tiles of a query all-gather of B tokens."""
+    layout = state[key].gather_layout
+    return layout.tiles(B, layout.warps_for(B))
+
+
 def tilings(state, key: str, sizes: list) -> list:
     """(warps, programmatic launch) of each call size, or the error a size raised."""
     out = []
@@ -784,6 +795,43 @@ def timeout_after_a_tile_that_arrived(state, key: str, B: int, lossy: int) -> di
     finally:
         scope["_store_relaxed"] = store
     return {"returned": True, "flags": len(stores)}
+
+
+def one_wait_flag_lost(state, key: str, seed: int, B: int, lossy: int) -> dict:
+    """A combine whose tiling publishes one flag per program (16 warps), of several tiles a program,
+    with every flag store of rank ``lossy`` (-1: none) lost (planted in the interpreted kernel). Returns the
+    call's tiles and grid, the flag stores each rank made (publications, refreshes, retractions),
+    then the error the call raised, or its rows' error against the float64 reference."""
+    from dcp import DcpMismatchError, DcpTimeoutError
+    from dcp.constants import KIND_COMBINE
+    from dcp.kernels import build_kernels
+
+    comm: DcpAllToAll = state[key]
+    rank, hn, transport = comm.rank, comm.heads_per_rank, comm._transports["triton"]
+    res = {"tiles": transport.layout.tiles(B, 16), "grid": transport.by_size[KIND_COMBINE][B - 1][1],
+           "one_wait": transport.layout.one_wait(comm.tiling(B)[0])}
+    scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
+    store, stores = scope["_store_relaxed"], []
+
+    def lost(ptr, val, GPU_SCOPE):
+        stores.append(val)  # (never stored: this rank's peers never see it)
+
+    def counted(ptr, val, GPU_SCOPE):
+        stores.append(val)
+        store(ptr, val, GPU_SCOPE)
+
+    scope["_store_relaxed"] = lost if rank == lossy else counted
+    outs, lses = make_inputs(seed, comm.world, B, comm.num_heads, comm.head_dim, comm.dtype)
+    out = torch.full((B, hn, comm.head_dim), float("nan"), dtype=comm.dtype)
+    try:
+        comm.lse_reduce(outs[rank], lses[rank], out=out, check=True)
+        res["error"] = max_rel_error(out.double(), chunk_reference(outs, lses, rank, hn)[0])
+    except (DcpTimeoutError, DcpMismatchError) as exc:
+        res.update(missing=exc.missing_ranks, message=str(exc), nan=bool(torch.isnan(out.float()).all()))
+    finally:
+        scope["_store_relaxed"] = store
+    res["flags"] = len(stores)
+    return res
 
 
 def flag_from_a_period_ago(state, key: str, seed: int, B: int, lossy: int) -> dict:

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests import gather_cases as gc
 from tests import rank_cases as rc
 from tests.conftest import fresh_seed
+from dcp.constants import KIND_GATHER
 from dcp.protocol import LARGE_CALL_TOKENS, ChannelLayout
 from dcp.spawn import RankError
 
@@ -91,17 +93,22 @@ def test_small_and_large_call_tilings_alternate(worlds):
 
 
 def test_ranks_with_different_grids_tile_calls_alike(worlds):
-    """Each rank may run its own grid (``max_programs``), but small calls' tiles are sized by the
-    smallest of them, so every rank numbers a call's tiles alike and the calls still match."""
+    """Each rank may ask for its own grid (``max_programs``), but every rank runs the smallest of
+    them and sizes small calls' tiles by it: every rank numbers a call's tiles alike, and a gather,
+    whose programs wait for one flag each, finds the same tiles behind each program's flag."""
     w = worlds(3)
     for r in range(3):  # rank-dependent max_programs: sent separately to each rank
         w.conns[r].send((rc.make_comm.__module__, "make_comm", ("grids",),
-                         dict(max_tokens=24, num_heads=3, head_dim=128, max_programs=1 + 2 * r)))
+                         dict(max_tokens=24, num_heads=3, head_dim=128, query_dim=512, max_programs=1 + 2 * r)))
     w._collect(range(3), 120)
     assert w.run(rc.tilings, "grids", [1, 5, 17]) == [[(4, False), (8, False), (8, False)]] * 3
+    grids = w.run(rc.fused_grids, "grids")
+    assert grids[0] == grids[1] == grids[2] and max(grids[0][KIND_GATHER]) == 1, grids
     seed = fresh_seed()
     for i, B in enumerate([5, 1, 17]):
         w.run(rc.lse_case, "grids", seed + i, B=B, use_out=True)
+    assert w.run(rc.gather_tiles, "grids", 17) == [3] * 3  # (one program walks all three)
+    w.run(gc.gather_case, "grids", seed, 17, use_out=True)
     w.run(rc.close_comm, "grids")
 
 
@@ -325,8 +332,9 @@ def test_every_tiling_is_a_power_of_two_of_whole_units():
 
 
 def _wire_layout() -> str:
-    """What ranks exchange, as numbers: each collective's rows and tiling and the channel's offsets
-    at a spread of geometries, and the flags' encoding (epoch and tag fields)."""
+    """What ranks exchange, as numbers: each collective's rows and tiling (and which tilings publish a
+    flag per program) and the channel's offsets at a spread of geometries, and the flags' encoding
+    (epoch and tag fields)."""
     import hashlib
     from dcp import constants as k
     from dcp.protocol import STATE_BYTES, ChannelLayout, ChannelRegion
@@ -342,13 +350,13 @@ def _wire_layout() -> str:
         facts.append((region.flag_offset, region.recv_offset, region.slot_elems, region.nbytes, region.tiles_max))
         for lay in (combine, gather):
             facts.append((lay.row_elems, lay.lse_offset, lay.chunk_words, lay.chunks, lay.warps_by_size,
-                          sorted(lay.tilings.items()), lay.tiles_max))
+                          sorted(lay.tilings.items()), lay.tiles_max, [lay.one_wait(w) for w in sorted(lay.tilings)]))
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 
 # WIRE_REVISION -> _wire_layout() of that revision (append one with each new revision). 1: the
 # layout of the releases before it was agreed (16-byte combine rows; computed at cc3b5b7's parent).
-WIRE_LAYOUTS = {1: "7aea1fecde3e3966", 2: "6972127726354fe8", 3: "280d601dea346f9a"}
+WIRE_LAYOUTS = {1: "7aea1fecde3e3966", 2: "6972127726354fe8", 3: "280d601dea346f9a", 4: "e88d4d2a4b9c833c"}
 
 
 def test_a_change_to_the_wire_layout_raises_the_wire_revision():

@@ -131,6 +131,24 @@ def test_a_timeout_after_a_tile_that_arrived_is_recorded(worlds):
     w.run(rc.close_comm, "gap")
 
 
+def test_one_flag_per_program_covers_its_tiles(worlds):
+    """In a 16-warp combine a program publishes one flag per destination, after pushing all of its
+    tiles, and waits for one flag per source. With one program and four tiles, each rank makes one
+    flag store and its rows come out exact on every tile. Then rank 1's flag stores are lost (its
+    own included): both ranks raise naming rank 1, their rows NaN."""
+    w = worlds(2)
+    w.run(rc.make_comm, "one", max_tokens=64, num_heads=8, head_dim=512, timeout_s=SHORT_TIMEOUT_S, max_programs=1,
+          num_warps=16)
+    seed = fresh_seed()
+    for r in w.run(rc.one_wait_flag_lost, "one", seed, 64, -1, timeout=240):
+        assert r["one_wait"] and r["grid"] == 1 and r["tiles"] == 4, r
+        assert r["flags"] == 1 and r["error"] <= rc.TOL[rc.DTYPES["bfloat16"]], r  # (one flag for 4 tiles)
+    for r in w.run(rc.one_wait_flag_lost, "one", seed + 1, 64, 1, timeout=240):
+        assert r.get("missing") == [1] and ", tile 0;" in r["message"] and r["nan"], r
+        assert 2 <= r["flags"] <= 3, r  # its flag, perhaps a refresh, its retraction
+    w.run(rc.close_comm, "one")
+
+
 @pytest.mark.parametrize("backend", ["triton", "pull"])
 def test_no_flag_outlives_an_epoch_period(worlds, backend):
     """A flag at an index that later, smaller calls leave alone must not live an epoch period: the
