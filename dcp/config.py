@@ -203,7 +203,7 @@ class Group:
 def agree_config(group: dist.ProcessGroup, config: Optional[Config], error: Optional[str]) -> tuple:
     """Collective: every rank's verdict on its arguments (a bad one on any rank raises ``DcpError``
     on every rank), the same geometry everywhere, the ranks sharing each device, and the grid
-    every rank keeps resident (the smallest: small calls' tiles are sized by it). Returns the agreed
+    every rank runs (the smallest asked for: small calls' tiles are sized by it too). Returns the agreed
     ``Config`` and the ``Group``."""
     place = None
     if error is None:
