@@ -33,7 +33,8 @@ def close_comm(state, key: str) -> None:
 
 def fused_grids(state, key: str) -> dict:
     """The fused transport's launch grid of each call size (index B - 1), by kind."""
-    return {kind: [grid for _, grid in by_size] for kind, by_size in state[key]._transports["triton"].by_size.items()}
+    comm = state[key]
+    return {kind: [grid for _, grid in by_size] for kind, by_size in comm._transports[comm.backend].by_size.items()}
 
 
 def gather_tiles(state, key: str, B: int) -> int:
@@ -807,7 +808,7 @@ def one_wait_flag_lost(state, key: str, seed: int, B: int, lossy: int) -> dict:
     from dcp.kernels import build_kernels
 
     comm: DcpAllToAll = state[key]
-    rank, hn, transport = comm.rank, comm.heads_per_rank, comm._transports["triton"]
+    rank, hn, transport = comm.rank, comm.heads_per_rank, comm._transports[comm.backend]
     res = {"tiles": transport.layout.tiles(B, 16), "grid": transport.by_size[KIND_COMBINE][B - 1][1],
            "one_wait": transport.layout.one_wait(comm.tiling(B)[0])}
     scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
