@@ -131,9 +131,9 @@ class ChannelLayout:
 
     def one_wait(self, warps: int) -> bool:
         """Whether a tiling's programs publish and wait for one flag each, not one per tile: the
-        gather's and the 16-warp combine's, where programs walk many tiles. One wait per program in
-        every tiling ran gathers at B = 64 and 512 0.85-0.98x and B = 512 combines 0.96-0.99x on one
-        H100, but the pushed 8-warp combine at N = 3, B = 64 1.21-1.24x (docs/design.md, section 7)."""
+        gather's and the 16-warp combine's, where programs walk many tiles (one H100, B = 512:
+        0.93-0.99x). In every tiling, the pushed 8-warp combine at N = 3, B = 64 ran 1.21-1.24x
+        slower (docs/design.md, sections 5.1 and 7)."""
         return not self.lse or warps >= LARGE_CALL_WARPS
 
     def launches_early(self, warps: int) -> bool:
