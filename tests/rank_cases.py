@@ -800,17 +800,18 @@ def timeout_after_a_tile_that_arrived(state, key: str, B: int, lossy: int) -> di
 
 def one_wait_flag_lost(state, key: str, seed: int, B: int, lossy: int) -> dict:
     """A combine whose tiling publishes one flag per program (16 warps), of several tiles a program,
-    with every flag store of rank ``lossy`` (-1: none) lost (planted in the interpreted kernel). Returns the
-    call's tiles and grid, the flag stores each rank made (publications, refreshes, retractions),
-    then the error the call raised, or its rows' error against the float64 reference."""
+    with every flag store of rank ``lossy`` (-1: none) lost (planted in the interpreted kernel).
+    Returns the call's tiles and grid, the flag stores each rank made (publications, refreshes,
+    retractions), then the error the call raised, or its rows' error against the float64 reference."""
     from dcp import DcpMismatchError, DcpTimeoutError
     from dcp.constants import KIND_COMBINE
     from dcp.kernels import build_kernels
 
     comm: DcpAllToAll = state[key]
     rank, hn, transport = comm.rank, comm.heads_per_rank, comm._transports[comm.backend]
-    res = {"tiles": transport.layout.tiles(B, 16), "grid": transport.by_size[KIND_COMBINE][B - 1][1],
-           "one_wait": transport.layout.one_wait(comm.tiling(B)[0])}
+    warps = comm.tiling(B)[0]
+    res = {"tiles": transport.layout.tiles(B, warps), "grid": transport.by_size[KIND_COMBINE][B - 1][1],
+           "one_wait": transport.layout.one_wait(warps)}
     scope = build_kernels(True).fused.fn.__globals__  # the interpreted kernel's helpers
     store, stores = scope["_store_relaxed"], []
 
