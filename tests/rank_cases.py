@@ -836,11 +836,13 @@ def one_wait_flag_lost(state, key: str, seed: int, B: int, lossy: int) -> dict:
     return res
 
 
-def flag_from_a_period_ago(state, key: str, seed: int, B: int, lossy: int) -> dict:
-    """A call of B on channel 0, then as many calls without rows as make an epoch period (all but
-    the last few skipped by moving the epoch), then ``timeout_after_a_tile_that_arrived``'s call
-    of B: the same tag and epoch as the first, with rank ``lossy``'s flag of tile 1 or later lost.
-    The first call's flag at that index, if nothing rewrote it, would stand in for it."""
+def flag_from_a_period_ago(state, key: str, seed: int, B: int, lossy: int, filler: int = 0) -> dict:
+    """A call of B on channel 0, then as many calls as make an epoch period (all but the last few
+    skipped by moving the epoch): combines without rows, or gathers of ``filler`` tokens, which
+    publish one flag per program and must refresh the indices they leave alone. Then
+    ``timeout_after_a_tile_that_arrived``'s call of B: the same tag and epoch as the first, with
+    rank ``lossy``'s flag of tile 1 or later lost. The first call's flag at that index, if nothing
+    rewrote it, would stand in for it."""
     import ctypes
 
     from dcp.constants import EPOCH_PERIOD, EPOCH_STRIDE
@@ -851,8 +853,12 @@ def flag_from_a_period_ago(state, key: str, seed: int, B: int, lossy: int) -> di
     lse_case(state, key, seed, B)
     small = 4 * transport.region.tiles_max
     transport.poke_epoch(0, (epoch - small) % EPOCH_PERIOD)
+    q = torch.randn(filler, comm.heads_per_rank, comm.query_dim).to(comm.query_dtype)
     for i in range(small):
-        lse_case(state, key, seed + 1 + i, 0)  # (one program, publishing at index 0)
+        if filler:
+            comm.all_gather_heads(q)
+        else:
+            lse_case(state, key, seed + 1 + i, 0)  # (one program, publishing at index 0)
     return timeout_after_a_tile_that_arrived(state, key, B, lossy)
 
 

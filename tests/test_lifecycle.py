@@ -149,16 +149,20 @@ def test_one_flag_per_program_covers_its_tiles(worlds):
     w.run(rc.close_comm, "one")
 
 
-@pytest.mark.parametrize("backend", ["triton", "pull"])
-def test_no_flag_outlives_an_epoch_period(worlds, backend):
-    """A flag at an index that later, smaller calls leave alone must not live an epoch period: the
-    next call of the same tag at the same epoch would take it for its source's. Rank 1 loses one
-    flag past tile 0 in that call: rank 0 raises naming rank 1, where it would otherwise return
-    rows its source never published; rank 1 returns, or raises naming itself."""
+@pytest.mark.parametrize("backend,num_warps,B,filler", [("triton", None, 16, 0), ("pull", None, 16, 0),
+                                                          ("triton", None, 16, 8), ("triton", 16, 32, 0)])
+def test_no_flag_outlives_an_epoch_period(worlds, backend, num_warps, B, filler):
+    """A flag at an index that later calls leave alone must not live an epoch period: the next call
+    of the same tag at the same epoch would take it for its source's. Rank 1 loses one flag past
+    tile 0 in that call: rank 0 raises naming rank 1, where it would otherwise return rows its
+    source never published; rank 1 returns, or raises naming itself. The calls between are smaller
+    combines, or gathers of more tiles than programs, which publish one flag per program and so
+    must refresh the indices past the grid; at 16 warps the call itself publishes one flag per
+    program."""
     w = worlds(2)
-    w.run(rc.make_comm, "wrap", max_tokens=16, num_heads=8, head_dim=512, timeout_s=SHORT_TIMEOUT_S, max_programs=2,
-          backend=backend)
-    r0, r1 = w.run(rc.flag_from_a_period_ago, "wrap", fresh_seed(), 16, 1, timeout=240)
+    w.run(rc.make_comm, "wrap", max_tokens=B, num_heads=8, head_dim=512, timeout_s=SHORT_TIMEOUT_S, max_programs=2,
+          backend=backend, num_warps=num_warps)
+    r0, r1 = w.run(rc.flag_from_a_period_ago, "wrap", fresh_seed(), B, 1, filler, timeout=240)
     assert r1["flags"] >= 2, r1  # rank 1 published more than one tile: the plant took
     assert r0.get("missing") == [1], r0
     assert r1.get("returned") or r1.get("missing") == [1], r1
