@@ -162,6 +162,8 @@ def test_no_flag_outlives_an_epoch_period(worlds, backend, num_warps, B, filler)
     w = worlds(2)
     w.run(rc.make_comm, "wrap", max_tokens=B, num_heads=8, head_dim=512, timeout_s=SHORT_TIMEOUT_S, max_programs=2,
           backend=backend, num_warps=num_warps)
+    if filler:  # more tiles than programs: a gather leaves indices past the grid to its refresh
+        assert w.run(rc.gather_tiles, "wrap", filler)[0] > 2
     r0, r1 = w.run(rc.flag_from_a_period_ago, "wrap", fresh_seed(), B, 1, filler, timeout=240)
     assert r1["flags"] >= 2, r1  # rank 1 published more than one tile: the plant took
     assert r0.get("missing") == [1], r0
