@@ -7,7 +7,9 @@ launch completes); the table gives the median per rank and step, and a profile o
 step launches behind a sleeping kernel, as the benchmark's timed loops do, and only as many calls
 as the benchmark times by default (some thousands of queued launches block until the queue
 drains); the others launch into a queue that the GPU keeps up with. On a GPU, the launcher's entry
-point called with every argument prepared shows the floor of a Triton launch from Python.
+point called with every argument prepared shows the floor of a Triton launch from Python, and the
+reads alone (each tensor's shape, dtype, device, strides and address, all a call must know of
+them) what any checked launch from Python adds to it.
 """
 
 import argparse
@@ -41,6 +43,14 @@ def _median_us(step, iters: int) -> float:
         step()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
+
+
+def _reads(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    """What a combine must read of its three tensors, and nothing else (unrolled: a loop costs more
+    than some reads): the floor of its checks and operands."""
+    a.shape, a.dtype, a.device, a.stride(), a.data_ptr()
+    b.shape, b.dtype, b.device, b.stride(), b.data_ptr()
+    c.shape, c.dtype, c.device, c.stride(), c.data_ptr()
 
 
 def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
@@ -83,6 +93,7 @@ def probe(state, B: int, head_dim: int, iters: int, device: str) -> dict:
         "  launch_operands": lambda: launch_operands(po, pl, y, None),
         "  transport.launch": launch,
         **({"    the launcher's entry alone": entry} if entry else {}),
+        "  the tensors' reads alone": lambda: _reads(po, pl, y),
         "for scale: a 1-element torch add_": lambda: one.add_(1),
         "empty step (timer only)": lambda: None,
     }
