@@ -108,15 +108,6 @@ def _span(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.data_ptr() + extent * t.element_size())
 
 
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views of one allocation may share an element: their spans first, then torch's
-    own check, which also refuses views that interleave without touching."""
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    if a0 >= b1 or b0 >= a1:
-        return False
-    return bool(torch._C._overlaps(a, b))
-
-
 def as_words(name: str, t: torch.Tensor) -> torch.Tensor:
     """A query tensor as 16-bit words (what the gather moves), or raise naming it."""
     unit_last_stride(name, t, t.stride(-1))
@@ -135,18 +126,16 @@ def unit_last_stride(name: str, t: torch.Tensor, stride: int) -> None:
 def refuse_overlap(names: tuple, tensors: tuple, n_inputs: int) -> None:
     """Outputs are written while other programs (and, chunk by chunk, later launches) still read
     the inputs: no output may share memory with an input or with another output. ``tensors`` (None
-    where absent) are named by ``names``, the first ``n_inputs`` of them inputs. Only views of one
-    allocation can share memory: each tensor's allocation is read once, and only tensors of one
-    allocation are compared further (``overlaps``)."""
-    bases = [t.untyped_storage().data_ptr() for t in tensors if t is not None]
-    if len(set(bases)) == len(bases):
-        return  # every tensor has an allocation of its own
-    named = [(name, t, t.untyped_storage().data_ptr()) for name, t in zip(names, tensors) if t is not None]
+    where absent) are named by ``names``, the first ``n_inputs`` of them inputs. Two tensors whose
+    spans meet count as sharing, whichever storage object holds each: the same bytes can come
+    through several (``torch.from_numpy`` or DLPack twice, IPC handles, a workspace carved into
+    tensors), and torch's own overlap test only compares views of one."""
+    named = [(name, _span(t)) for name, t in zip(names, tensors) if t is not None]
     first_out = sum(1 for t in tensors[:n_inputs] if t is not None)
     for i in range(first_out, len(named)):
-        a_name, a, a_base = named[i]
-        for b_name, b, b_base in named[:i]:
-            if a_base == b_base and overlaps(a, b):
+        a_name, (a0, a1) = named[i]
+        for b_name, (b0, b1) in named[:i]:
+            if a0 < b1 and b0 < a1:
                 raise ValueError(f"{a_name}: expected memory of its own, but it overlaps {b_name} (outputs "
                                  "must not share, or interleave with, the memory of inputs or other outputs)")
 

@@ -4,6 +4,7 @@ modules of their own (``dcp.config``, ``dcp.protocol``, ``dcp.transports``, ``dc
 (``dcp.launch``) and launches on the transport its size is routed to."""
 
 import logging
+import operator
 import threading
 from datetime import timedelta
 from typing import Callable, Optional, Union
@@ -12,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from dcp import cudart
-from dcp.checks import as_words, combine_batch, gather_batch, refuse_overlap, refuse_self_overlap, rows_disjoint
+from dcp.checks import as_words, combine_batch, gather_batch, refuse_overlap, refuse_self_overlap
 from dcp.config import agree_config, resolve
 from dcp.constants import KIND_COMBINE, KIND_GATHER, MASK_NONE, MASK_READ, MASK_WRITE, TAG_ABORT, TAG_POISONED
 from dcp.errors import DcpError
-from dcp.launch import gather_operands, launch_operands, metadata, outputs_apart, with_mask_mode
+from dcp.launch import gather_apart, gather_operands, launch_operands, metadata, outputs_apart, with_mask_mode
 from dcp.loading import KernelLoader
 from dcp.measure import measure_plan
 from dcp.protocol import POISONED_NOTE, ChannelRegion, call_tag, channel_layouts
@@ -26,6 +27,25 @@ from dcp.watchdog import Watchdog
 log = logging.getLogger("dcp")
 _COMBINE_NAMES = ("partial_out", "partial_lse", "out", "out_lse")  # (refuse_overlap's, in the calls' order)
 _GATHER_NAMES = ("q_local", "out")
+
+
+def _as_index(channel: object) -> object:
+    """A channel given as another integer type (``numpy.int64``, a 0-d integer tensor) as an int;
+    anything else (a bool too) as it came, for ``_enter`` to refuse."""
+    if isinstance(channel, bool) or not hasattr(type(channel), "__index__"):
+        return channel
+    try:
+        return operator.index(channel)
+    except (TypeError, ValueError, RuntimeError):  # (a tensor of floats or of several elements)
+        return channel
+
+
+def _as_bool(name: str, flag: object) -> bool:
+    """A flag given as another type that means True or False (``numpy.bool_``, 0 or 1), or raise:
+    None or anything else would silently pick one meaning on every rank."""
+    if not isinstance(flag, torch.Tensor) and flag in (0, 1):
+        return bool(flag)
+    raise TypeError(f"{name}: expected a bool, got {flag!r}")
 
 
 def _view(t: torch.Tensor) -> tuple:
@@ -203,10 +223,10 @@ class DcpAllToAll:
         rows), and where every rank is empty the result is 0 with LSE -inf.
 
         Returns ``out`` ``[B, H/N, D]`` (allocated unless given) and, with ``return_lse``, the
-        combined LSE ``[B, H/N]`` fp32 in the input's base (``out_lse`` if given). Outputs must not
-        overlap the inputs, each other or themselves. ``check`` (default: the constructor's)
-        synchronizes and raises a recorded timeout or mismatch; ``channel`` picks the channel
-        (default 0).
+        combined LSE ``[B, H/N]`` fp32 in the input's base (``out_lse`` if given: it needs
+        ``return_lse``). Outputs must not overlap the inputs, each other or themselves. ``check``
+        (default: the constructor's) synchronizes and raises a recorded timeout or mismatch;
+        ``channel`` picks the channel (default 0).
 
         ``seq_lens`` [S] (this rank's KV length per sequence) and ``query_start_loc`` [S + 1]
         (cumulative query tokens), int32 or int64 on the device, as vLLM passes them: this rank adds
@@ -221,12 +241,19 @@ class DcpAllToAll:
         writes them). None: every call searches.
 
         Collective, whatever happens: a call rejected here (bad arguments) still announces itself
-        to the peers, whose call then fails naming this rank; a call with B = 0 takes part too.
+        to the peers, whose call then fails naming this rank; a call with B = 0 takes part too. (The
+        NCCL path cannot announce: there every later call of the rejecting rank raises.)
         """
+        if type(channel) is not int:
+            channel = _as_index(channel)
         busy, transport = self._enter(channel, KIND_COMBINE, partial_out)
         try:
             try:
                 B = combine_batch(self._geometry, partial_out, partial_lse, out, out_lse)
+                if out_lse is not None and not return_lse:
+                    raise ValueError("out_lse: expected return_lse=True with it (without, no LSE is written)")
+                if is_lse_base_on_e is not True and is_lse_base_on_e is not False:
+                    is_lse_base_on_e = _as_bool("is_lse_base_on_e", is_lse_base_on_e)
                 meta = mask_for = None
                 if seq_lens is not None or query_start_loc is not None:
                     if step is not None and B <= self.max_tokens:
@@ -235,14 +262,12 @@ class DcpAllToAll:
                         meta = metadata(self.device, seq_lens, query_start_loc, self._masks[channel], MASK_NONE)
                 y = out if out is not None else torch.empty((B, self.heads_per_rank, self.head_dim),
                                                             dtype=self.dtype, device=self.device)
-                y_lse = None  # an out_lse without return_lse is not written
+                y_lse = None
                 if return_lse:
                     y_lse = out_lse if out_lse is not None else torch.empty(
                         (B, self.heads_per_rank), dtype=torch.float32, device=self.device)
                 operands = launch_operands(partial_out, partial_lse, y, y_lse)  # raises on a strided row
-                # (an out_lse that is not written is checked too, as every output is)
-                if (out is not None or out_lse is not None) and (out_lse is not y_lse
-                                                                 or not outputs_apart(self._geometry, B, operands)):
+                if (out is not None or out_lse is not None) and not outputs_apart(self._geometry, B, operands):
                     refuse_overlap(_COMBINE_NAMES, (partial_out, partial_lse, out, out_lse), 2)
                     for name, t in (("out", out), ("out_lse", out_lse)):
                         if t is not None:
@@ -294,6 +319,8 @@ class DcpAllToAll:
         (``buf[:, :H]``). The result is never a view of the shared buffers. Collective, like
         ``lse_reduce``, on the same channels and epochs: gathers and combines interleave freely.
         """
+        if type(channel) is not int:
+            channel = _as_index(channel)
         busy, transport = self._enter(channel, KIND_GATHER, q_local)
         try:
             try:
@@ -301,12 +328,11 @@ class DcpAllToAll:
                 y = out if out is not None else torch.empty((B, self.num_heads, self.query_dim),
                                                             dtype=self.query_dtype, device=self.device)
                 q16, y16 = as_words("q_local", q_local), as_words("out", y)
-                if out is not None:
-                    refuse_overlap(_GATHER_NAMES, (q_local, out), 1)
-                    s_b, s_h, _ = y16.stride()
-                    if not rows_disjoint(B, s_b, self.num_heads, s_h, self.config.query_words):
-                        refuse_self_overlap("out", out)
                 operands = gather_operands(q16, self._loader.scratch, y16)
+                if out is not None and not gather_apart(B, self.heads_per_rank, self.num_heads,
+                                                        self.config.query_words, operands):
+                    refuse_overlap(_GATHER_NAMES, (q_local, out), 1)
+                    refuse_self_overlap("out", out)
                 if operands[0] not in self._loader.ready:
                     self._loader.load(KIND_GATHER, (q16, self._loader.scratch, y16), operands)
             except BaseException:

@@ -140,6 +140,20 @@ def outputs_apart(geometry: tuple, B: int, operands: tuple) -> bool:
     return apart
 
 
+def gather_apart(B: int, hn: int, h: int, words: int, operands: tuple) -> bool:
+    """``outputs_apart`` for the gather, on its operands (16-bit words, ``words`` a row): ``out``'s
+    rows clear each other and its address range misses ``q_local``'s. False where they may share
+    one: the exact checks decide."""
+    if B == 0:
+        return True
+    (_, aligned, _, _), (q_b, q_h, _, _, y_b, y_h, _, _), (q, _, y, _) = operands
+    if aligned:  # (aligned row strides were divided by 8)
+        q_b, q_h, y_b, y_h = 8 * q_b, 8 * q_h, 8 * y_b, 8 * y_h
+    q_end = q + ((B - 1) * q_b + (hn - 1) * q_h + words) * 2
+    y_end = y + ((B - 1) * y_b + (h - 1) * y_h + words) * 2
+    return (y_end <= q or q_end <= y) and rows_disjoint(B, y_b, h, y_h, words)
+
+
 def gather_operands(q16: torch.Tensor, lse: torch.Tensor, y16: torch.Tensor) -> tuple:
     """The gather's variant, stride arguments and addresses, as ``launch_operands`` (on the 16-bit
     word views; ``lse``: the unused word its launches pass)."""

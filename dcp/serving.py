@@ -22,6 +22,7 @@ MARK = "_dcp_a2a_original"  # a wrapped class's attribute: its original methods
 IN_CAPTURE = "reached CUDA-graph capture with no communicator built for it (nothing may be built there)"
 _comms: dict = {}  # its whole geometry -> (group, communicator): every communicator built here
 _by_call: dict = {}  # (group id, kind, heads, row width, dtype, device) -> a communicator serving that call
+_failed: dict = {}  # serve's key -> (why its construction failed, the group): not tried again
 _said: set = set()
 
 
@@ -110,7 +111,7 @@ def serve(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torc
     (``query``: (Dq, dtype)) one built for both), or ``(None, why)``: declined (``declined``), first
     seen in capture (every rank captures the same graphs, so every rank declines alike), or, with
     ``decline_failure``, its construction failed (raised alike on every rank: every rank leaves it
-    to the engine's own; else it raises)."""
+    to the engine's own, and is not tried again; else it raises)."""
     device = _device(device)
     pg, world = group_parts(group)  # (the caches key the process group, not a coordinator around it)
     why = declined(world, num_heads, head_dim, dtype, device, query, engine)
@@ -122,6 +123,9 @@ def serve(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torc
         return comm, None
     if capturing(device):
         return None, IN_CAPTURE
+    failed = (id(pg), num_heads, head_dim, dtype, query, device)
+    if decline_failure and failed in _failed:
+        return None, _failed[failed][0]
     extra = dict(query_dim=query[0], query_dtype=query[1]) if query else {}
     tokens = max_tokens_for(max_tokens)
     try:
@@ -129,7 +133,8 @@ def serve(group, num_heads: int, head_dim: int, dtype: torch.dtype, device: torc
     except DcpError as exc:
         if not decline_failure:
             raise
-        return None, f"construction failed: {exc}"
+        _failed[failed] = (f"construction failed: {exc}", pg)  # (the group kept alive with its id in the key)
+        return None, _failed[failed][0]
 
 
 def first_time(scope: str, key) -> bool:
@@ -179,6 +184,7 @@ def wrap_once(cls: Any, wrappers: dict) -> str:
 def close_all() -> None:
     """Collective: close every communicator built here (drop captured graphs first)."""
     _by_call.clear()
+    _failed.clear()
     while _comms:
         _, (_, comm) = _comms.popitem()
         comm.close()

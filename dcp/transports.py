@@ -221,6 +221,7 @@ class NcclTransport:
     def __init__(self, group: dist.ProcessGroup, config: Config, layouts: dict):
         device, channels = config.device, config.channels
         self.group, self.layout, self.device = group, layouts[KIND_COMBINE], device
+        self.lost: Optional[DcpError] = None  # (``announce``)
         self.scratch = torch.empty(1, dtype=torch.float32, device=device)
         self.gather_layout = gl = layouts[KIND_GATHER]
         self.no_meta = no_metadata(device)
@@ -266,7 +267,15 @@ class NcclTransport:
                      *strides[4:], int(y_lse is not None), LOG2E if base_e else 1.0)
 
     def announce(self, channel: int, tag: int) -> None:
-        pass  # calls pair by the group's order: nothing to announce
+        """Nothing reaches the peers: calls pair by the group's order (any channel's), so after a
+        call this rank rejected, its next call would pair with the peers' rejected one, silently
+        where the sizes agree. So the path is lost here: every later call on every channel raises
+        (a peer's call in flight waits for the group's own timeout)."""
+        if self.lost is None:
+            self.lost = DcpError(f"the NCCL path lost step with its peers: a call on channel {channel} was "
+                                 "rejected on this rank, and this path cannot tell the peers, whose calls pair "
+                                 "with this rank's by the group's order; every later call raises until the "
+                                 "communicator is rebuilt")
 
     def _gather(self, q16: torch.Tensor, y16: torch.Tensor, n_tokens: int, channel: int) -> None:
         """``q16`` [B, H/N, W] and ``y16`` [B, H, W]: 16-bit words of the query rows."""
@@ -291,7 +300,7 @@ class NcclTransport:
                         base_e=True)
 
     def error(self, channel: int) -> Optional[DcpError]:
-        return None  # NCCL reports its own failures
+        return self.lost  # (NCCL reports its own failures)
 
     def memory_bytes(self) -> int:
         return 2 * self.send[0].numel() * 4

@@ -15,7 +15,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from dcp import serving
-from dcp.checks import combine_geometry_error
 from dcp.comm import DcpAllToAll
 from dcp.errors import DcpError
 from dcp.config import DEFAULT_MAX_TOKENS, max_tokens_for, max_tokens_from_env  # noqa: F401 (its names before)
@@ -135,17 +134,20 @@ def fallback_combine(original: Callable) -> Callable:
             kwargs.update(zip(names, args))
             args = ()
         group = args[0] if args else kwargs.get("cp_group", kwargs.get("kvp_group"))
-        parts = group_parts(group) if group is not None else (None, 0)
-        world = parts[1]
-        if (world == 1 or world and isinstance(cp_attn_out, torch.Tensor) and cp_attn_out.dim() == 3
-                and combine_geometry_error(world, cp_attn_out.shape[1], cp_attn_out.shape[2],
-                                           cp_attn_out.dtype) is None):
+        pg, world = group_parts(group) if group is not None else (None, 0)
+        if world == 1:
+            return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
+        if world and isinstance(cp_attn_out, torch.Tensor) and cp_attn_out.dim() == 3:
+            _, H, D = cp_attn_out.shape
             # (the dictionary lookup first: the capture query costs more, on every eager call)
-            if world == 1 or serving.built(parts[0], cp_attn_out.shape[1], cp_attn_out.shape[2], cp_attn_out.dtype,
-                                           cp_attn_out.device) or not serving.capturing(cp_attn_out.device):
+            if serving.built(pg, H, D, cp_attn_out.dtype, cp_attn_out.device) is not None:
                 return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
-            # Nothing may be built in capture: vLLM's own serves this geometry (logged once).
-            _note_unbuilt(cp_attn_out)
+            # Built now, or declined alike on every rank: its geometry or device, a construction that
+            # failed, capture (where nothing may be built). Then vLLM's own serves it (logged once).
+            comm, why = serving.serve(pg, H, D, cp_attn_out.dtype, cp_attn_out.device, engine="vLLM")
+            if comm is not None:
+                return dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, *args, **kwargs)
+            _note_declined(cp_attn_out, why)
         return original(cp_attn_out, cp_attn_lse, *args, **kwargs)
 
     combine.__wrapped__ = original
@@ -153,8 +155,7 @@ def fallback_combine(original: Callable) -> Callable:
     return combine
 
 
-def _note_unbuilt(t: torch.Tensor) -> None:
-    if serving.first_time("vllm", ("unbuilt", tuple(t.shape[1:]), t.dtype)):
-        log.warning("dcp.vllm: a combine of %s %s reached capture with no communicator built for it: vLLM's own "
-                    "serves it (build one with dcp.vllm.communicator(...) before capture)", t.dtype,
-                    list(t.shape[1:]))
+def _note_declined(t: torch.Tensor, why: str) -> None:
+    if serving.first_time("vllm", ("declined", tuple(t.shape[1:]), t.dtype, why)):
+        hint = " (build one with dcp.vllm.communicator(...) before capture)" if why == serving.IN_CAPTURE else ""
+        log.warning("dcp.vllm: vLLM's own serves a combine of %s %s: %s%s", t.dtype, list(t.shape[1:]), why, hint)

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from dcp import DcpAllToAll, DcpMismatchError, reference
 from tests.lockstep_cases import _raises
-from tests.rank_cases import DTYPES, lse_case
+from tests.rank_cases import DTYPES, elsewhere_alias, lse_case
 
 QUERY_DTYPES = dict(DTYPES, float8_e4m3fn=torch.float8_e4m3fn, float8_e5m2=torch.float8_e5m2)
 POISON_BYTE = 0x5A
@@ -124,6 +124,7 @@ def bad_gathers(state, key: str, seed: int) -> list:
         "device": lambda: comm.all_gather_heads(q.to("meta" if dev.type == "cpu" else "cpu")),
         "out_overlaps_q": lambda: comm.all_gather_heads(big[:, H:], out=big[:, :H + hn][:, hn:]),
         "out_overlaps_itself": lambda: comm.all_gather_heads(q, out=big[:1, :H].expand(2, -1, -1)),
+        "out_aliases_q_elsewhere": lambda: comm.all_gather_heads(big[:, hn:2 * hn], out=elsewhere_alias(big)[:, :H]),
     }
     msgs = []
     for name, call in cases.items():

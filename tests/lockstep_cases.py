@@ -12,7 +12,7 @@ import torch.distributed as dist
 from dcp import DcpAllToAll, DcpError, DcpMismatchError
 from dcp.constants import WIRE_REVISION
 from dcp.reference import chunk_reference, make_inputs, max_rel_error
-from tests.rank_cases import DTYPES, TOL, shm_segments
+from tests.rank_cases import DTYPES, TOL, lse_case, shm_segments
 
 
 def _inputs(comm: DcpAllToAll, seed: int, B: int, **kw):
@@ -365,3 +365,21 @@ def lse_bases(state, key: str, seed: int, base_e_on: list) -> dict:
     first = _raises(lambda: comm.lse_reduce(po, pl, is_lse_base_on_e=base_e_on[comm.rank], check=True),
                     (DcpMismatchError,))
     return {"first": first, "next": _then_poisoned(comm, seed + 1)}
+
+
+def nccl_rejects(state, key: str, seed: int, rejecting: list) -> dict:
+    """On the NCCL path, after a call in step: one the ranks in ``rejecting`` reject (the others
+    skip it: theirs would wait for a rejecting rank's next call). Every later call of a rejecting
+    rank raises, on every channel, and so does ``check``; the others lose nothing."""
+    comm: DcpAllToAll = state[key]
+    res = {"err": lse_case(state, key, seed, 2)}
+    if comm.rank in rejecting:
+        outs, lses, po, pl = _inputs(comm, seed + 1, 2)
+        res["rejected"] = _raises(lambda: comm.lse_reduce(po, pl, out=po[:, :comm.heads_per_rank]), (ValueError,))
+        res["next"] = [_raises(lambda: comm.lse_reduce(po, pl, channel=c)) for c in range(comm.channels)]
+        res["gather"] = _raises(lambda: comm.all_gather_heads(
+            torch.randn(2, comm.heads_per_rank, comm.query_dim).to(comm.query_dtype)))
+        res["check"] = _raises(comm.check)
+    else:
+        comm.check()
+    return res

@@ -242,6 +242,14 @@ def metadata_errors(state, key: str, in_step: bool = False) -> list:
     return messages
 
 
+def elsewhere_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes through a storage object of their own (DLPack), as ``from_numpy`` twice, IPC
+    handles or a carved workspace hand them over: torch's own overlap test sees two allocations."""
+    from torch.utils.dlpack import from_dlpack, to_dlpack
+
+    return from_dlpack(to_dlpack(t))
+
+
 class _Subclass(torch.Tensor):
     """A tensor subclass: a call with one skips the communicator's fast check for the slow one."""
 
@@ -253,6 +261,7 @@ def bad_calls(state, key: str) -> list:
     dev, H, D, hn = comm.device, comm.num_heads, comm.head_dim, comm.heads_per_rank
     po = torch.randn(2, H, D).to(comm.dtype).to(dev)
     pl = torch.randn(2, H, device=dev)
+    po3 = torch.randn(3, H, D).to(comm.dtype).to(dev)
     other = torch.float16 if comm.dtype == torch.bfloat16 else torch.bfloat16
     elsewhere = "meta" if dev.type == "cpu" else "cpu"
 
@@ -283,10 +292,18 @@ def bad_calls(state, key: str) -> list:
             "out_device": lambda: call(po, pl, out=torch.empty(2, hn, D, dtype=comm.dtype, device=elsewhere)),
             "out_aliases_input": lambda: call(po, pl, out=po[:, :hn]),
             "out_lse_aliases_lse": lambda: call(po, pl, return_lse=True, out_lse=pl[:, :hn]),
+            # the same bytes through other storage objects, at the input's start and past it
+            "out_aliases_input_elsewhere": lambda: call(po, pl, out=elsewhere_alias(po)[:, :hn]),
+            "out_aliases_input_shifted": lambda: call(po3[:2], pl, out=elsewhere_alias(po3[1:])[:, :hn]),
+            "out_lse_aliases_lse_elsewhere": lambda: call(po, pl, return_lse=True,
+                                                          out_lse=elsewhere_alias(pl[:, hn:])),
+            "out_lse_without_return_lse": lambda: call(po, pl, out_lse=torch.empty(2, hn, device=dev)),
+            "lse_base_none": lambda: call(po, pl, is_lse_base_on_e=None),
             "too_many_tokens": lambda: call(po[:1].expand(1 << 28, H, D), pl[:1].expand(1 << 28, H)),
             # last: a channel that does not exist poisons every channel (the peers' is unknown)
             "channel": lambda: call(po, pl, channel=comm.channels),
             "negative_channel": lambda: call(po, pl, channel=-1),
+            "channel_bool": lambda: call(po, pl, channel=True),
         }
 
     plain = cases(lambda v: v)

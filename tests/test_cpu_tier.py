@@ -176,6 +176,17 @@ def test_bad_calls_raise_clear_errors(worlds):
     assert all("closed" in m for m in msg)
 
 
+def test_a_channel_and_a_base_of_numpy_types_serve_as_ints_and_bools(worlds):
+    """``numpy.int64`` channels and ``numpy.bool_`` bases (what a wrapper may forward) pick the
+    channel and base they name; None as the base is refused (in ``bad_calls``)."""
+    w = worlds(2)
+    w.run(rc.make_comm, "types", max_tokens=2, num_heads=4, head_dim=16, channels=2)
+    for channel, base_e in ((np.int64(1), np.False_), (np.int32(0), np.True_)):
+        errs = w.run(rc.lse_case, "types", fresh_seed(), 2, channel=channel, base_e=base_e, use_out=True)
+        assert max(errs) <= rc.TOL[torch.bfloat16], errs
+    w.run(rc.close_comm, "types")
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(max_tokens=2, num_heads=7, head_dim=16), "num_heads"),
     (dict(max_tokens=2, num_heads=6, head_dim=12), "head_dim"),

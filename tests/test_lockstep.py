@@ -60,6 +60,24 @@ def test_a_call_every_rank_rejects_leaves_the_channel_in_step(worlds):
     w.run(rc.close_comm, "ls")
 
 
+@pytest.mark.parametrize("rejecting", [[0], [0, 1, 2]])
+def test_a_call_rejected_on_the_nccl_path_leaves_the_rank_raising(worlds, rejecting):
+    """The NCCL path cannot announce a rejected call: instead of pairing its peers' call with its
+    next one, the rejecting rank raises at every later call (on every channel), even where every
+    rank rejected the same call."""
+    w = worlds(3)
+    w.run(rc.make_comm, "nccl", max_tokens=2, num_heads=6, head_dim=16, backend="nccl", channels=2)
+    for r, res in enumerate(w.run(lc.nccl_rejects, "nccl", fresh_seed(), rejecting)):
+        assert res["err"] <= rc.TOL[rc.DTYPES["bfloat16"]], res
+        if r in rejecting:
+            assert "overlaps partial_out" in res["rejected"], res
+            for msg in res["next"] + [res["gather"], res["check"]]:
+                assert "NCCL path lost step" in msg and "rejected on this rank" in msg, res
+        else:
+            assert set(res) == {"err"}, res
+    w.run(rc.close_comm, "nccl")
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_b_zero_on_one_rank_fails_the_call_everywhere(worlds, n):
     w = worlds(n)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcp import serving
 from dcp import vllm as dropin
 from dcp import vllm_plugin
 from tests import rank_cases as rc
@@ -64,7 +65,8 @@ def test_non_mla_layers_build_their_communicator_before_capture(worlds):
     log = res[0]["log"]
     assert any(line.startswith("dcp_a2a: FlashAttentionImpl: N=2, 4 heads, combine D=64 torch.bfloat16 on dcp-a2a")
                and line.endswith("built before capture") for line in log), log
-    assert any("reached capture with no communicator built for it: vLLM's own serves it" in line for line in log), log
+    assert any("vLLM's own serves a combine of torch.bfloat16" in line and serving.IN_CAPTURE in line
+               for line in log), log
 
 
 def _readme_log_lines() -> list:
@@ -167,3 +169,13 @@ def test_the_serving_layer_keeps_each_geometry_on_its_own_communicator(worlds):
         assert r["distinct"] and r["b"] == (128, torch.float16, 72) and r["combine_reuses"], r
         assert r["coordinator_reuses"] and r["built"] == 2, r
         assert r["why"] == "num_heads must be a positive multiple of the group size 2; got 5", r
+
+
+def test_the_patched_combine_falls_back_wherever_this_package_declines(worlds):
+    """A device this package does not serve, or a construction that failed: vLLM's own combine
+    serves the call, as the plugin's log says, instead of raising; the failure is not retried."""
+    for r in worlds(2).run(vc.combine_where_declined):
+        assert r["meta"] == r["failed"][0] == r["failed"][1] == "vLLM's own", r
+        assert r["calls"] == ["meta", "cpu", "cpu"] and r["tries"] == 1, r
+        assert r["why"].startswith("construction failed: ") and "no-such-backend" in r["why"], r
+        assert r["forgotten"], r

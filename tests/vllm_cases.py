@@ -504,3 +504,34 @@ def serving_keeps_geometries_apart(state) -> dict:
            "coordinator_reuses": d is a and e is a, "built": len(serving._comms)}
     serving.close_all()
     return res
+
+
+def combine_where_declined(state) -> dict:
+    """The patched combine where this package declines: tensors of a device it does not serve, and
+    a geometry whose construction fails (here an unknown ``DCP_A2A_BACKEND``). vLLM's own serves
+    each call, and a failed construction is not tried again at the next call."""
+    calls, tries = [], []
+
+    def original(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True):
+        calls.append(cp_attn_out.device.type)
+        return "vLLM's own"
+
+    built = serving.communicator
+
+    def counted(*args, **kwargs):
+        tries.append(1)
+        return built(*args, **kwargs)
+
+    combine, group = dropin.fallback_combine(original), dist.group.WORLD
+    res = {"meta": combine(torch.empty(2, 4, 8, dtype=torch.bfloat16, device="meta"),
+                           torch.empty(2, 4, device="meta"), group)}
+    os.environ["DCP_A2A_BACKEND"], serving.communicator = "no-such-backend", counted
+    try:
+        res["failed"] = [combine(torch.randn(2, 4, 8), torch.randn(2, 4), group) for _ in range(2)]
+    finally:
+        os.environ.pop("DCP_A2A_BACKEND")
+        serving.communicator = built
+    res.update(calls=calls, tries=len(tries), why=next(iter(serving._failed.values()))[0])
+    serving.close_all()
+    res["forgotten"] = not serving._failed
+    return res
