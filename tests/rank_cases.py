@@ -870,9 +870,9 @@ def flag_from_a_period_ago(state, key: str, seed: int, B: int, lossy: int, fille
     lse_case(state, key, seed, B)
     small = 4 * transport.region.tiles_max
     transport.poke_epoch(0, (epoch - small) % EPOCH_PERIOD)
-    q = torch.randn(filler, comm.heads_per_rank, comm.query_dim).to(comm.query_dtype)
+    q = torch.randn(filler, comm.heads_per_rank, comm.query_dim).to(comm.query_dtype) if filler else None
     for i in range(small):
-        if filler:
+        if q is not None:
             comm.all_gather_heads(q)
         else:
             lse_case(state, key, seed + 1 + i, 0)  # (one program, publishing at index 0)
