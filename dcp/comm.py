@@ -30,13 +30,13 @@ _GATHER_NAMES = ("q_local", "out")
 
 
 def _as_index(channel: object) -> object:
-    """A channel given as another integer type (``numpy.int64``, a 0-d integer tensor) as an int;
-    anything else (a bool too) as it came, for ``_enter`` to refuse."""
-    if isinstance(channel, bool) or not hasattr(type(channel), "__index__"):
+    """A channel given as another integer type (``numpy.int64``) as an int; anything else (a bool
+    or a tensor too) as it came, for ``_enter`` to refuse."""
+    if isinstance(channel, (bool, torch.Tensor)) or not hasattr(type(channel), "__index__"):
         return channel
     try:
         return operator.index(channel)
-    except (TypeError, ValueError, RuntimeError):  # (a tensor of floats or of several elements)
+    except (TypeError, ValueError):
         return channel
 
 
@@ -175,6 +175,7 @@ class DcpAllToAll:
         self._after_gather = [False] * c.channels
         # The one transport every call takes, where there is one: calls then skip the routing.
         self._only = self._transport if len(self._transports) == 1 else None
+        self._by_group_order = any(t.by_group_order for t in self._transports.values())  # (``_poison``)
         # Per channel, the empty-token mask of a step's metadata (``lse_reduce``'s ``step``) and what it
         # was written for: (step, the metadata views and call it describes, the launch metadata that
         # reads it), None until then.
@@ -363,13 +364,13 @@ class DcpAllToAll:
         if type(channel) is not int or not 0 <= channel < self.channels:
             # Which channel the peers use is unknown: none of them can be trusted to be in step.
             for c in range(self.channels):
-                self._host_poison.setdefault(c, f"a call named channel {channel!r}, which does not exist")
+                self._poison(c, f"a call named channel {channel!r}, which does not exist")
             raise ValueError(f"channel: expected an integer in [0, {self.channels}), got {channel!r}")
         busy = self._busy[channel]
         if not busy.acquire(False):  # (positional: a keyword costs a C call more time)
             self._check_open()
             # The call in flight keeps the channel; this one is lost, so the ranks' call counts differ.
-            self._host_poison.setdefault(channel, "two threads called on it at once")
+            self._poison(channel, f"two threads called on channel {channel} at once")
             raise DcpError(f"channel {channel} is busy: another thread of this process is inside a call on "
                            f"it (calls that may run concurrently need channels of their own); {POISONED_NOTE}")
         transport = self._only or self._route(kind, first, channel)
@@ -406,12 +407,24 @@ class DcpAllToAll:
         return next((e for e in (t.error(channel) for t in self._transports.values()) if e is not None), None)
 
     def _announce(self, transport, channel: int, tag: int) -> None:
-        """A call that moves no data (``Transport.announce``). If even that cannot launch, the channel
-        is poisoned here, and its next call announces it (never raises)."""
+        """A call that moves no data (``Transport.announce``). If even that cannot launch, or the
+        transport cannot announce (``by_group_order``), the channel is poisoned here, and its next
+        call announces it (never raises)."""
+        if transport.by_group_order:
+            self._poison(channel, f"a call on channel {channel} was rejected on this rank, and on the NCCL path, "
+                                  "whose calls pair by the group's order, the peers cannot be told")
+            return
         try:
             transport.announce(channel, tag)
         except Exception as exc:  # the caller raises its own error
-            self._host_poison.setdefault(channel, f"a call could not announce itself to the peers ({exc})")
+            self._poison(channel, f"a call could not announce itself to the peers ({exc})")
+
+    def _poison(self, channel: int, why: str) -> None:
+        """Poison a channel on this host (its first failure is kept); on a transport whose calls pair
+        by the group's order, every channel: this rank's next call on any would pair with the peers'
+        call that this one skipped."""
+        for c in range(self.channels) if self._by_group_order else (channel,):
+            self._host_poison.setdefault(c, why)
 
     def _launches(self, transport, kind: int, operands: tuple, po, lse, y, y_lse, B: int, channel: int,
                   base_e: bool, meta=None) -> None:
@@ -431,7 +444,7 @@ class DcpAllToAll:
                 at = (gather_operands(*chunk[:3]) if kind == KIND_GATHER else launch_operands(*chunk))[2]
                 transport.launch((*operands[:2], at), *chunk, b1 - b0, tag, channel, base_e, meta, b0)
         except BaseException as exc:
-            self._host_poison.setdefault(channel, f"a call failed between its launches ({type(exc).__name__})")
+            self._poison(channel, f"a call failed between its launches ({type(exc).__name__})")
             raise
 
     # --- status and lifecycle ------------------------------------------------------------------

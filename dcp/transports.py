@@ -35,6 +35,9 @@ class Transport(Protocol):
     name: str
     provider: str
     tilings: tuple
+    # Calls pair by the group's order, on any channel (NCCL's): nothing can be announced, and a
+    # rank that skipped a call on one channel would pair its next call on any with the peers' skipped one.
+    by_group_order: bool
 
     def launch(self, operands: tuple, po: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
                y_lse: Optional[torch.Tensor], n_tokens: int, tag: int, channel: int, base_e: bool,
@@ -82,6 +85,8 @@ class TritonTransport:
     """One fused kernel per call on the ranks' symmetric buffers (docs/design.md, section 2): it
     pushes packed rows into peers' buffers (``triton``, the push), or stages them in its own and
     each rank reads its rows from its peers' (``pull``: for fabrics where peer writes collapse)."""
+
+    by_group_order = False
 
     def __init__(self, group: dist.ProcessGroup, config: Config, layouts: dict, region: ChannelRegion, *,
                  pull: bool = False):
@@ -217,11 +222,11 @@ class NcclTransport:
 
     name = "nccl"
     provider = "process-group"
+    by_group_order = True
 
     def __init__(self, group: dist.ProcessGroup, config: Config, layouts: dict):
         device, channels = config.device, config.channels
         self.group, self.layout, self.device = group, layouts[KIND_COMBINE], device
-        self.lost: Optional[DcpError] = None  # (``announce``)
         self.scratch = torch.empty(1, dtype=torch.float32, device=device)
         self.gather_layout = gl = layouts[KIND_GATHER]
         self.no_meta = no_metadata(device)
@@ -267,15 +272,7 @@ class NcclTransport:
                      *strides[4:], int(y_lse is not None), LOG2E if base_e else 1.0)
 
     def announce(self, channel: int, tag: int) -> None:
-        """Nothing reaches the peers: calls pair by the group's order (any channel's), so after a
-        call this rank rejected, its next call would pair with the peers' rejected one, silently
-        where the sizes agree. So the path is lost here: every later call on every channel raises
-        (a peer's call in flight waits for the group's own timeout)."""
-        if self.lost is None:
-            self.lost = DcpError(f"the NCCL path lost step with its peers: a call on channel {channel} was "
-                                 "rejected on this rank, and this path cannot tell the peers, whose calls pair "
-                                 "with this rank's by the group's order; every later call raises until the "
-                                 "communicator is rebuilt")
+        pass  # (by_group_order: the communicator poisons every channel instead)
 
     def _gather(self, q16: torch.Tensor, y16: torch.Tensor, n_tokens: int, channel: int) -> None:
         """``q16`` [B, H/N, W] and ``y16`` [B, H, W]: 16-bit words of the query rows."""
@@ -300,7 +297,7 @@ class NcclTransport:
                         base_e=True)
 
     def error(self, channel: int) -> Optional[DcpError]:
-        return self.lost  # (NCCL reports its own failures)
+        return None  # NCCL reports its own failures
 
     def memory_bytes(self) -> int:
         return 2 * self.send[0].numel() * 4

@@ -383,3 +383,25 @@ def nccl_rejects(state, key: str, seed: int, rejecting: list) -> dict:
     else:
         comm.check()
     return res
+
+
+def nccl_busy_channel(state, key: str, seed: int) -> dict:
+    """On the NCCL path rank 0 calls from two threads on channel 0: the second call is refused, and
+    since this path pairs calls by the group's order on any channel, rank 0's next call on channel
+    1 raises too (it would pair with the peers' call that the refused one skipped). The first call
+    pairs with rank 1's exactly (rank 1 is let in through the store: not a collective of the group)."""
+    comm: DcpAllToAll = state[key]
+    store = dist.distributed_c10d._get_default_store()
+    if comm.rank != 0:
+        store.wait(["nccl_busy_refused"], __import__("datetime").timedelta(seconds=60))
+        return {"first": _checked_call(comm, seed, 2)}
+    results: dict = {}
+    _, _, po, pl = _inputs(comm, seed + 5, 2)
+    worker = threading.Thread(target=lambda: results.update(err=_checked_call(comm, seed, 2)))
+    worker.start()
+    _until(lambda: comm._busy[0].locked(), "the other thread is inside its call")
+    refused = _raises(lambda: comm.lse_reduce(po, pl))
+    store.set("nccl_busy_refused", "1")
+    worker.join(60)
+    assert "err" in results, "the first thread's call did not finish correctly"
+    return {"first": results["err"], "refused": refused, "ch1": _raises(lambda: comm.lse_reduce(po, pl, channel=1))}

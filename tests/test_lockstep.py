@@ -72,9 +72,19 @@ def test_a_call_rejected_on_the_nccl_path_leaves_the_rank_raising(worlds, reject
         if r in rejecting:
             assert "overlaps partial_out" in res["rejected"], res
             for msg in res["next"] + [res["gather"], res["check"]]:
-                assert "NCCL path lost step" in msg and "rejected on this rank" in msg, res
+                assert "poisoned: a call on channel 0 was rejected on this rank, and on the NCCL path" in msg, res
         else:
             assert set(res) == {"err"}, res
+    w.run(rc.close_comm, "nccl")
+
+
+def test_a_busy_channel_on_the_nccl_path_poisons_every_channel(worlds):
+    w = worlds(2)
+    w.run(rc.make_comm, "nccl", max_tokens=2, num_heads=4, head_dim=16, backend="nccl", channels=2)
+    res = w.run(lc.nccl_busy_channel, "nccl", fresh_seed())
+    assert all(r["first"] <= rc.TOL[rc.DTYPES["bfloat16"]] for r in res), res
+    assert "busy" in res[0]["refused"], res[0]
+    assert "channel 1 is poisoned: two threads called on channel 0 at once" in res[0]["ch1"], res[0]
     w.run(rc.close_comm, "nccl")
 
 
