@@ -90,6 +90,16 @@ def command_name() -> str:
     return "python -m bench" if name == "__main__.py" else name
 
 
+def source_commit() -> str:
+    """This code's commit where it runs from its own git checkout (the source tree, an editable
+    install), else "": never that of the directory the run was started in."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    top = _sh(f"git -C {shlex.quote(root)} rev-parse --show-toplevel")
+    if not top or os.path.realpath(top) != os.path.realpath(root):
+        return ""
+    return _sh(f"git -C {shlex.quote(root)} rev-parse --short HEAD")
+
+
 def provenance(argv: list) -> dict:
     import triton
 
@@ -99,7 +109,7 @@ def provenance(argv: list) -> dict:
         "host": platform.node(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         # the device machine's copy may carry a stale .git: a commit passed in wins
-        "git_commit": os.environ.get("DCP_GIT_COMMIT") or _sh("git rev-parse --short HEAD") or "unknown",
+        "git_commit": os.environ.get("DCP_GIT_COMMIT") or source_commit() or "unknown",
         "env": {k: v for k, v in os.environ.items() if k.startswith(("DCP_", "CUDA_MPS"))},
     }
     if torch.cuda.is_available():
@@ -132,15 +142,15 @@ def copy_rate() -> float:
     return rate
 
 
-def floor_bytes(n: int, B: int, hn: int, d: int, shared_device: bool, size: int = 2) -> int:
+def floor_bytes(n: int, B: int, hn: int, d: int, per_device: int, size: int = 2) -> int:
     """Bytes one rank's combine moves (read its input, write the packed rows of the other ranks'
     head chunks and the LSEs of its own, read them back, write its output; pushed or pulled alike)
-    for values of ``size`` bytes; all ranks together where they share one device's memory. Its own
-    chunk's values are read once, from the input, by the combine."""
+    for values of ``size`` bytes, times ``per_device``: the ranks that share the busiest device's
+    memory. Its own chunk's values are read once, from the input, by the combine."""
     H, row = hn * n, ChannelLayout(n, hn, d, B, value_words=size // 2).row_elems
     packed = B * (H - hn) * row * 2 + B * hn * 4
     per_rank = B * H * (size * d + 4) + 2 * packed + B * hn * d * size
-    return per_rank * (n if shared_device else 1)
+    return per_rank * per_device
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,8 +182,8 @@ COLUMN_HELP = """columns (a column no row fills is left out; - : no value for th
   N          ranks in the group
   sliced     yes: ranks shared a GPU without MPS (--no-mps, or MPS could not start), time-sliced: the
              time is the GPU switching between processes, not the transport's; no floor, no baseline
-  backend    triton or push, pull, auto (DcpAllToAll's backend=), nccl (the reference path; gloo
-             where the group runs gloo)
+  backend    triton or push, pull, auto (DcpAllToAll's backend=; auto:nccl where auto fell back to
+             the nccl path), nccl (the reference path; gloo where the group runs gloo)
   op         combine (lse_reduce), gather (all_gather_heads), layer (a gather then a combine)
   meta       yes: the row's combines got vLLM's batch metadata (--metadata; a gather takes none)
   D|Dq       the combine's head dim D, the gather's query dim Dq (a layer: D|Dq)
@@ -183,23 +193,25 @@ COLUMN_HELP = """columns (a column no row fills is left out; - : no value for th
              (gather), both (layer)
   med p10 p90  device time per call, the slowest rank's median and percentiles (on the CPU: the
              interpreter's wall time per call, not a transport's)
-  mark       one clock mark's own time (each step includes one)
+  mark       one timer mark's own time (each step includes one)
   loop       nccl-tests' time: a second loop's mean, events only at its ends
   algbw      size / med; busbw: algbw * (N - 1) / N (GPUs only)
   floor      the bytes the kernel moves at this GPU's copy rate (below); %floor: floor / med
   host hloop host time per eager call, per timed step and over the second loop (GPUs only)
   nccl x     the reference path's med at the same point, and its time over this row's (x > 1: faster)
   held       yes: every timed call was queued behind one sleeping kernel (yes/k: k at a time)
-  err        largest relative error against the float64 reference, checked before timing
+  err        largest relative error against the float64 reference, checked before and after timing
              (bf16 tolerance 1.6e-2; 0: bit-exact, as the gather must be)"""
 FLOOR_HELP = """
 
 floor: the bytes one call moves as the kernel moves them, at the device-to-device copy rate measured
-at the start of the run (1 GiB copies, bytes read plus written), times N where the ranks share one
-GPU. A combine reads its input [B, H, D] and LSEs, writes the packed rows [B, H - H/N, D + LSE] of
-the other ranks' chunks (of its own, the LSEs only), reads them back and writes its [B, H/N, D]; a
-gather reads its [B, H/N, Dq] rows, writes them to N peers (pushed) or once (pulled), reads the N
-sources' rows and writes [B, H, Dq]; a layer both. No call beats it."""
+at the start of the run (1 GiB copies, bytes read plus written), times the ranks that share the
+busiest GPU. A combine reads its input [B, H, D] and LSEs, writes the packed rows [B, H - H/N, D +
+LSE] of the other ranks' chunks (of its own, the LSEs only), reads them back and writes its
+[B, H/N, D]; a gather reads its [B, H/N, Dq] rows, writes them to N peers (pushed) or once
+(pulled), reads the N sources' rows and writes [B, H, Dq]; a layer both. Not a bound: ranks that
+share a GPU may read from its L2 cache what this counts as memory traffic, so a call can come in
+under it (above 100%); on GPUs of their own it counts memory only, not the link between them."""
 
 
 def default_worlds(gpus: int) -> list:
@@ -229,10 +241,11 @@ def defaults(cuda: bool, gpus: int, full: bool) -> dict:
 def parser(cuda: bool, gpus: int, full: bool = False) -> argparse.ArgumentParser:
     d = defaults(cuda, gpus, full)
     p = _Parser(prog=command_name(), description=__doc__.split("\n")[0], formatter_class=_Help,
-                epilog="Defaults are this machine's: with a GPU, the question a user asks (DCP3 and DCP6 against\n"
-                       "NCCL at MLA's geometry, about a minute), --full the long sweep. Without a GPU the kernels\n"
-                       "run under Triton's interpreter: the run shows that the real kernels and protocol run and\n"
-                       "are exact, then the GPU results this repository keeps.\n\n" + COLUMN_HELP + FLOOR_HELP)
+                epilog="Defaults are this machine's: with a GPU, the question a user asks (DCP3 and DCP6, beside\n"
+                       "NCCL where each rank has a GPU of its own, at MLA's geometry; the run says when it expects\n"
+                       "to finish), --full the long sweep. Without a GPU the kernels run under Triton's\n"
+                       "interpreter: the run shows that the real kernels and protocol run and are exact, then the\n"
+                       "GPU results this repository keeps.\n\n" + COLUMN_HELP + FLOOR_HELP)
     p.add_argument("--full", action="store_true",
                    help="the long sweep: every power-of-two B to 512, D 512 and 128, every mode, triton beside nccl "
                         "(without a GPU: the CPU demo)")
@@ -295,10 +308,13 @@ def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
     for n in worlds:
         shared = cuda and gpus < n  # ranks share a GPU; NCCL refuses two ranks on one GPU
         pg = "gloo" if shared or not cuda else "nccl"
-        run = [b for b in backends if not (b in FUSED and n > MAX_PEERS or b == "nccl" and shared)]
+        run = [b for b in backends if not (b in FUSED + ["auto"] and n > MAX_PEERS or b == "nccl" and shared)]
         rest = f"{' and '.join(pg if b == 'nccl' else b for b in run)} only" if run else "nothing runs"
         for b in [b for b in backends if b in FUSED and b not in run]:
             notes.append(f"N={n}: {b} not run (the triton path serves up to {MAX_PEERS} ranks); {rest}")
+        if "auto" in backends and "auto" not in run:
+            notes.append(f"N={n}: auto not run (above {MAX_PEERS} ranks it serves with the nccl path, the "
+                         f"baseline); {rest}")
         if "nccl" in backends and "nccl" not in run:
             notes.append(f"N={n}: nccl not run ({n} ranks share {gpus} GPU(s); NCCL refuses two ranks on one GPU); "
                          f"{rest}")
@@ -406,6 +422,11 @@ def main(argv=None) -> None:
                             tilings = w.run(ranks.setup, args.heads_per_rank, d, max(1, *args.batch), device, backend,
                                             args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
                                             args.timer, args.dtype, args.query_dim, args.query_dtype)[0]
+                            if backend == "auto" and tilings["backend"] == "nccl":
+                                # (no peer access, or a buffer setup that failed): its rows are NCCL's path
+                                name = "auto:nccl"
+                                print(f"{chr(13) if tty else ''}N={n}: auto serves with the nccl path here "
+                                      f"({tilings['reason']}): its rows are labelled auto:nccl", flush=True)
                             if tilings["plan"]:
                                 print(f"{chr(13) if tty else ''}N={n} D={d} {tilings['plan']}\n"
                                       f"  its times at this run's sizes (* its choice; beside the medians below):\n"
@@ -557,10 +578,14 @@ def kept_results(folder: str = RESULTS) -> str:
                 for r in run["rows"] if r["mode"] == "graph8"]
         if not rows:
             continue
+        which = "graph8 rows"
+        if any(r["backend"] == "auto" for r in rows):  # what a communicator runs by default (and the baseline)
+            rows = [r for r in rows if r["backend"] == "auto" or r["backend"] in BASELINES]
+            which = f"auto's graph8 rows; every backend's in docs/results/{kind}/results.csv"
         commit, date = prov["git_commit"], prov["date"]
         old = predates_protocol(commit, date)
         parts.append(f"docs/results/{kind}: {machine(prov, rows)}, commit {commit} of {date[:10]}, torch "
-                     f"{prov['torch']}, triton {prov['triton']} (graph8 rows)"
+                     f"{prov['torch']}, triton {prov['triton']} ({which})"
                      + (f". Measured before the current protocol ({PROTOCOL_SINCE[0]}, {PROTOCOL_SINCE[1][:10]}): "
                         f"its rows, and their speedups over NCCL (x), are the kernels' at {commit}, not this "
                         "checkout's" if old else "") + ":\n" + format_table(rows))
@@ -614,18 +639,18 @@ def _append_csv(path: str, rows: list) -> None:
         writer.writerows(old + rows)
 
 
-def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, shared: bool, size: int = 2,
+def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, per_device: int, size: int = 2,
              gather_pulled: bool = False) -> tuple:
-    """(size, floor bytes) of one call of ``op`` (partial outputs of ``size`` bytes). size, as
-    nccl-tests counts: the combine's is the bytes one rank sends (the packed [N, B, H/N, D] values
-    with their fp32 LSE, an all-to-all); the gather's the bytes of its [B, H, Dq] result (an
-    all-gather's total); a layer's both. The floor counts the bytes as the kernel moves them, so no
-    call beats it: a pushed gather writes its rows into N peers' slots, a pulled one (or the
-    layer's gather, where pulled) once into its own."""
-    combine = (n * B * hn * (d * size + 4), floor_bytes(n, B, hn, d, shared, size))
+    """(size, floor bytes) of one call of ``op`` (partial outputs of ``size`` bytes; ``per_device``
+    ranks on the busiest device). size, as nccl-tests counts: the combine's is the bytes one rank
+    sends (the packed [N, B, H/N, D] values with their fp32 LSE, an all-to-all); the gather's the
+    bytes of its [B, H, Dq] result (an all-gather's total); a layer's both. The floor counts the
+    bytes as the kernel moves them: a pushed gather writes its rows into N peers' slots, a pulled
+    one (or the layer's gather, where pulled) once into its own."""
+    combine = (n * B * hn * (d * size + 4), floor_bytes(n, B, hn, d, per_device, size))
     rows, out = B * hn * dq * q_size, B * hn * n * dq * q_size
     # read this rank's rows, write them (to N slots, or once), read N sources' rows, write the result
-    gather = (out, (2 * rows + 2 * out if gather_pulled else rows + 3 * out) * (n if shared else 1))
+    gather = (out, (2 * rows + 2 * out if gather_pulled else rows + 3 * out) * per_device)
     if op == "combine":
         return combine
     if op == "gather":
@@ -636,13 +661,14 @@ def op_bytes(op: str, n: int, B: int, hn: int, d: int, dq: int, q_size: int, sha
 def _row(res, n, gpus, mps_on, d, hn, B, mode, backend, rate, shared, cuda, num_warps, pdl, dtype, iters,
          op="combine", query_dim=0, query_dtype="bfloat16", metadata=False, gather_pulled=False) -> dict:
     worst = max(res, key=lambda r: r["median_us"])  # the slowest rank's median
-    size, floor = op_bytes(op, n, B, hn, d, query_dim or d, getattr(torch, query_dtype).itemsize, shared,
+    per_gpu = -(-n // max(gpus, 1)) if cuda else 0  # (the ranks of the busiest GPU: spawn deals them round)
+    size, floor = op_bytes(op, n, B, hn, d, query_dim or d, getattr(torch, query_dtype).itemsize, max(per_gpu, 1),
                            getattr(torch, dtype).itemsize, gather_pulled)
     nan = float("nan")
     sliced = cuda and shared and not mps_on  # the GPU time-slices the ranks' processes
     floor_us = floor / rate * 1e6 if cuda and not sliced and floor else nan  # (no floor for no bytes: B = 0)
     med = worst["median_us"] or nan  # (a point that launches nothing, NCCL's at B = 0, may time 0)
-    return dict(world=n, ranks_per_gpu=-(-n // max(gpus, 1)) if cuda else 0, mps=mps_on, timesliced=sliced or None,
+    return dict(world=n, ranks_per_gpu=per_gpu, mps=mps_on, timesliced=sliced or None,
                 head_dim=d, op=op,
                 query_dim=query_dim, query_dtype=query_dtype,
                 metadata=True if metadata and op != "gather" else None,  # (a gather takes none)

@@ -69,7 +69,7 @@ def setup(state, heads_per_rank: int, head_dim: int, max_tokens: int, device: st
     sizes = range(1, max_tokens + 1)
     pulled = [(comm.plan.transport(KIND_GATHER, b) if comm.plan else comm.backend) == "pull" for b in sizes]
     return {"combine": combine, "gather": [comm.tiling(b, gather=True) for b in sizes], "layer": combine,
-            "plan": comm.plan, "gather_pulled": pulled}
+            "plan": comm.plan, "gather_pulled": pulled, "backend": comm.backend, "reason": comm.backend_reason}
 
 
 def calibrate(state) -> None:

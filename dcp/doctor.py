@@ -29,7 +29,7 @@ from dcp.spawn import World, mps_daemon
 # declares the same ranges; the README's "Versions" the same runs): each torch + Triton pair that
 # runs, and where.
 TESTED_PAIRS = {
-    ((2, 11), (3, 6)): "the GPU tier, on one H200",
+    ((2, 11), (3, 6)): "the GPU tier, on one H200 and on one H100",
     ((2, 13), (3, 6)): "CI: the CPU tier, the main suite",
     ((2, 14), (3, 8)): "CI: the CPU tier on the users' stack (SGLang 0.5.23's pins; vLLM 0.33.0's torch)",
     ((2, 13), (3, 9)): "CI: the compiled-code checks",

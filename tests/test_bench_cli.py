@@ -174,3 +174,20 @@ def test_an_installed_copy_says_once_that_it_keeps_no_gpu_results(tmp_path):
     assert "follow" not in CPU_NOTE
     assert kept_results(str(tmp_path / "none")) == ("GPU results are not in this installation: the repository keeps "
                                                    "them in docs/results/ (one folder per machine kind).")
+
+
+def test_results_name_this_codes_commit_not_the_directory_the_run_started_in(tmp_path, monkeypatch):
+    """Started from another git repository (a serving project's, say), a run still records this
+    code's commit, or "unknown" where this code is not a git checkout."""
+    from bench.__main__ import provenance
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "another project"], check=True)
+    theirs = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    ours = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() if os.path.exists(os.path.join(ROOT, ".git")) else ""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DCP_GIT_COMMIT", raising=False)
+    recorded = provenance([])["git_commit"]
+    assert recorded == (ours or "unknown") and recorded != theirs

@@ -1,6 +1,6 @@
 """The benchmark's defaults answer a GPU user's question (issue 45): which group sizes, which rows,
-whether MPS starts, what the summary says, and a floor no call beats. The device count is stubbed:
-CI has no GPU."""
+whether MPS starts, what the summary says, and the floor. The device count is stubbed: CI has no
+GPU."""
 
 import csv
 import glob
@@ -38,6 +38,14 @@ def test_default_group_sizes_are_dcp3_and_dcp6_wherever_the_gpus_allow(gpus, wor
             assert run == ["auto"] and no_baseline[n] == f"not run: {n} ranks share {gpus} GPU(s)"
         else:
             assert run == ["auto", "nccl"] and n not in no_baseline
+
+
+def test_above_eight_ranks_auto_is_left_to_the_baseline_it_would_run():
+    """auto serves more than 8 ranks with the nccl path: a row of it would be the baseline again,
+    with a speedup of the path over itself."""
+    runs, notes, _ = plan([9, 8], ["auto", "nccl"], True, 9)
+    assert [run for *_, run in runs] == [["nccl"], ["auto", "nccl"]]
+    assert notes == ["N=9: auto not run (above 8 ranks it serves with the nccl path, the baseline); nccl only"]
 
 
 @pytest.mark.parametrize("gpus,wanted,running,choice,note", [
@@ -93,11 +101,21 @@ def test_gpu_defaults_and_the_full_sweep():
     assert points == 24 and sum(len(run) for *_, run in runs) * SETUP_S + points * POINT_S <= 90
 
 
-def _fake_row(n, B, op, backend, us, shared=False, mps=True, pulled=False):
+def _fake_row(n, B, op, backend, us, shared=False, mps=True, pulled=False, gpus=None):
     res = [dict(median_us=us, p10_us=us, p90_us=us, timer="clock", mark_us=1.0, loop_us=us, held=True,
                 steps_per_hold=100, host_us=5.0, host_loop_us=5.0, max_rel_err=1e-3)]
-    return _row(res, n, 1 if shared else 8, mps, 512, 16, B, "graph8", backend, 4.24e12, shared, True, 16, False,
+    gpus = gpus or (1 if shared else 8)
+    return _row(res, n, gpus, mps, 512, 16, B, "graph8", backend, 4.24e12, shared, True, 16, False,
                 "bfloat16", 100, op, 576, "bfloat16", op != "gather", pulled)
+
+
+def test_the_floor_counts_the_ranks_of_the_busiest_gpu():
+    """Six ranks on two GPUs put three on each: the floor is three ranks' bytes, not six (as on one
+    GPU) or one (as on six)."""
+    one = _fake_row(6, 64, "combine", "push", 50.0, gpus=6)["floor_us"]
+    assert _fake_row(6, 64, "combine", "push", 50.0, shared=True, gpus=2)["floor_us"] == pytest.approx(3 * one)
+    assert _fake_row(6, 64, "combine", "push", 50.0, shared=True, gpus=1)["floor_us"] == pytest.approx(6 * one)
+    assert _fake_row(6, 64, "combine", "push", 50.0, shared=True, gpus=4)["ranks_per_gpu"] == 2
 
 
 def test_time_sliced_rows_are_labelled_and_compared_with_nothing():
@@ -138,8 +156,8 @@ def test_the_floor_counts_the_bytes_as_the_kernel_moves_them():
     one copy rate per run, and no pushed gather beats its floor. (A pulled gather's staged rows are read
     by every peer; with the ranks on one GPU the later reads can hit its L2, and one H100 run beat the
     floor by 3%: docs/design.md, section 6.)"""
-    pushed = op_bytes("gather", 3, 512, 16, 512, 576, 2, True)[1]
-    pulled = op_bytes("gather", 3, 512, 16, 512, 576, 2, True, gather_pulled=True)[1]
+    pushed = op_bytes("gather", 3, 512, 16, 512, 576, 2, 3)[1]
+    pulled = op_bytes("gather", 3, 512, 16, 512, 576, 2, 3, gather_pulled=True)[1]
     rows, out = 512 * 16 * 576 * 2, 3 * 512 * 16 * 576 * 2
     assert (pushed, pulled) == (3 * (rows + 3 * out), 3 * (2 * rows + 2 * out))
     checked = 0
@@ -152,7 +170,7 @@ def test_the_floor_counts_the_bytes_as_the_kernel_moves_them():
         rates = []
         for r in kept:
             floor = op_bytes("gather", int(r["world"]), int(r["B"]), int(r["heads_per_rank"]), int(r["head_dim"]),
-                             int(r["query_dim"]), 2, True, gather_pulled=r["backend"] == "pull")[1]
+                             int(r["query_dim"]), 2, int(r["ranks_per_gpu"]), gather_pulled=r["backend"] == "pull")[1]
             rates.append(floor / float(r["floor_us"]))
             assert r["backend"] == "pull" or float(r["floor_us"]) <= float(r["median_us"]), (path, r)
             checked += r["backend"] == "pull"
