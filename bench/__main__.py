@@ -37,6 +37,7 @@ import shlex
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -300,6 +301,15 @@ def parser(cuda: bool, gpus: int, full: bool = False) -> argparse.ArgumentParser
 OPS = ["combine", "gather", "layer"]
 
 
+def served_name(backend: str, pg: str, built: Optional[str]) -> str:
+    """The name a backend's rows carry: nccl's, the group's backend (its all-to-all runs); auto's,
+    auto:nccl where its communicator (``built``: its backend) fell back to the nccl path (no peer
+    access, a failed buffer setup): its rows are then that path's, not the fused kernel's."""
+    if backend == "nccl":
+        return pg
+    return "auto:nccl" if backend == "auto" and built == "nccl" else backend
+
+
 def plan(worlds: list, backends: list, cuda: bool, gpus: int) -> tuple:
     """Per group size: whether its ranks share a GPU, its process group's backend and the backends
     that can run (decided before any rank is spawned); a line for each backend left out; and, per
@@ -416,17 +426,16 @@ def main(argv=None) -> None:
                 w = World(n, device, pg_backend=pg)
                 try:
                     for backend in run:
-                        name = pg if backend == "nccl" else backend  # the nccl path runs the group's all-to-all
+                        name = served_name(backend, pg, None)
                         for d in args.head_dim:
                             where = f"N={n} {name} D={d}"
                             tilings = w.run(ranks.setup, args.heads_per_rank, d, max(1, *args.batch), device, backend,
                                             args.num_warps, {"auto": None, "on": True, "off": False}[args.pdl],
                                             args.timer, args.dtype, args.query_dim, args.query_dtype)[0]
-                            if backend == "auto" and tilings["backend"] == "nccl":
-                                # (no peer access, or a buffer setup that failed): its rows are NCCL's path
-                                name = "auto:nccl"
+                            name = served_name(backend, pg, tilings["backend"])
+                            if name != served_name(backend, pg, None):
                                 print(f"{chr(13) if tty else ''}N={n}: auto serves with the nccl path here "
-                                      f"({tilings['reason']}): its rows are labelled auto:nccl", flush=True)
+                                      f"({tilings['reason']}): its rows are labelled {name}", flush=True)
                             if tilings["plan"]:
                                 print(f"{chr(13) if tty else ''}N={n} D={d} {tilings['plan']}\n"
                                       f"  its times at this run's sizes (* its choice; beside the medians below):\n"

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from bench.__main__ import (POINT_S, SETUP_S, default_worlds, defaults, format_table, mps_choice, op_bytes, parser, plan,
-                            sliced_note, summary, _row)
+                            served_name, sliced_note, summary, _row)
 from dcp.spawn import mps_daemon, mps_running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +46,14 @@ def test_above_eight_ranks_auto_is_left_to_the_baseline_it_would_run():
     runs, notes, _ = plan([9, 8], ["auto", "nccl"], True, 9)
     assert [run for *_, run in runs] == [["nccl"], ["auto", "nccl"]]
     assert notes == ["N=9: auto not run (above 8 ranks it serves with the nccl path, the baseline); nccl only"]
+
+
+def test_rows_of_auto_on_the_nccl_path_say_so():
+    """Where auto's communicator fell back to the nccl path (no peer access), its rows are that
+    path's: they must not read as the fused kernel's beside the nccl baseline."""
+    assert served_name("auto", "nccl", "nccl") == "auto:nccl"
+    assert served_name("auto", "nccl", "auto") == served_name("auto", "gloo", "triton") == "auto"
+    assert served_name("nccl", "gloo", "nccl") == "gloo" and served_name("pull", "nccl", "pull") == "pull"
 
 
 @pytest.mark.parametrize("gpus,wanted,running,choice,note", [
